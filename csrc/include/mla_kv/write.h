@@ -1,0 +1,61 @@
+// Writing new tokens into the latent cache (replaces an engine's MLACopyQKV + ProcessKV).
+//
+// Two ops share one kernel:
+//   write:       row = [kv_c | k_pe] as given (already normalized and rotated)
+//   fused write: row = [RMSNorm(kv_c) * w | RoPE(k_pe, position)], optionally rotating the rope
+//                part of q in place in the same launch.
+// Reference semantics: python/mla_kv/reference.py (write_kv, fused_write_kv).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "mla_kv/arch.h"
+#include "mla_kv/layout.h"
+
+namespace mla_kv {
+
+enum class RopeStyle : int {
+  kInterleaved = 0,  // pairs (2i, 2i+1): DeepSeek, GLM (GPT-J style)
+  kNeox = 1,         // pairs (i, i + 32)
+};
+
+struct WriteKvParams {
+  DType dtype;       // of kv_c, k_pe, q, rms_weight and the cache
+  int64_t num_tokens;
+  // Inputs: row t of kv_c starts at kv_c + t * kv_c_stride (elements); last dim contiguous.
+  const void* kv_c;
+  int64_t kv_c_stride;
+  const void* k_pe;
+  int64_t k_pe_stride;
+
+  // Fused part; rms_weight == nullptr means plain write (no norm, no rope, q ignored).
+  const void* rms_weight;  // [512], dtype
+  float rms_eps;
+  const int64_t* positions;  // [num_tokens]
+  const void* cos_sin;       // [max_position, 64] = [cos(32) | sin(32)]
+  bool cos_sin_fp32;         // cos_sin is float32, else dtype
+  int64_t max_position;      // positions outside [0, max_position) leave the row unwritten
+  RopeStyle rope_style;
+  // Optional q [num_tokens, q_heads, q_head_dim]: its last 64 values per head are rotated in place.
+  void* q;
+  int q_heads;
+  int q_head_dim;
+  int64_t q_stride_token;
+  int64_t q_stride_head;
+};
+
+// vLLM-style addressing: token t goes to slot_mapping[t]; negative or out-of-range slots are
+// skipped, so a bad slot never writes outside the cache.
+Status invokeWriteKvPaged(const WriteKvParams& params, const PagedCache& cache,
+                          const int64_t* slot_mapping, Arch arch, cudaStream_t stream);
+
+// TurboMind-style addressing: the tokens are packed by sequence (cu_q_lens [batch + 1]); token i of
+// sequence b lands at position history_lens[b] + i. Tokens past cu_q_lens[batch] and positions
+// beyond the sequence's blocks are skipped.
+Status invokeWriteKvBlocks(const WriteKvParams& params, const BlockPointerCache& cache,
+                           const int* cu_q_lens, const int* history_lens, Arch arch,
+                           cudaStream_t stream);
+
+}  // namespace mla_kv

@@ -1,0 +1,49 @@
+// Token -> cache row addressing. One small functor per addressing, so every kernel family is
+// written once and serves both the paged tensor and the block-pointer caches.
+#pragma once
+
+#include <cstdint>
+
+#include "mla_kv/layout.h"
+
+namespace mla_kv {
+
+// Writes through a vLLM-style slot mapping.
+struct PagedSlotRows {
+  PagedCache cache;
+  const int64_t* slot_mapping;
+
+  // nullptr for padded (negative) or out-of-range slots: such tokens are skipped.
+  __device__ __forceinline__ char* row(int64_t t) const {
+    const int64_t slot = slot_mapping[t];
+    const int64_t block = slot / cache.block_size;
+    if (slot < 0 || block >= cache.num_blocks) return nullptr;
+    return static_cast<char*>(cache.base) + block * cache.block_stride_bytes +
+           (slot - block * cache.block_size) * cache.row.row_stride_bytes;
+  }
+};
+
+// Writes new tokens of packed sequences behind TurboMind-style block pointers.
+struct BlockPointerRows {
+  BlockPointerCache cache;
+  const int* cu_q_lens;     // [batch + 1]
+  const int* history_lens;  // [batch]
+
+  __device__ __forceinline__ char* row(int64_t t) const {
+    if (t >= cu_q_lens[cache.batch]) return nullptr;
+    // Largest b with cu_q_lens[b] <= t (sequences may be empty).
+    int lo = 0, hi = cache.batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (cu_q_lens[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int64_t pos = history_lens[lo] + (t - cu_q_lens[lo]);
+    const int64_t block = pos / cache.block_seq_len;
+    const int first = cache.cu_block_nums[lo];
+    if (pos < 0 || block >= cache.cu_block_nums[lo + 1] - first) return nullptr;
+    return static_cast<char*>(cache.block_ptrs[first + block]) + cache.layer_offset_bytes +
+           (pos - block * cache.block_seq_len) * cache.row.row_stride_bytes;
+  }
+};
+
+}  // namespace mla_kv

@@ -1,0 +1,70 @@
+// Host side of the arch layer: which tag a device runs, and status strings.
+#include <cuda_runtime.h>
+
+#include "mla_kv/arch.h"
+#include "mla_kv/layout.h"
+
+#ifndef MLA_KV_CUDA_ARCHS
+#error "MLA_KV_CUDA_ARCHS (e.g. \"75,80,90\") is set by the build"
+#endif
+
+namespace mla_kv {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+// Highest compiled target the device can run natively (0 if none): a tag's kernels exist only for
+// targets at or above the tag, so this bounds the tags that have real code on the device.
+int best_compiled_target(int cc) {
+  int best = 0, value = 0;
+  for (const char* c = MLA_KV_CUDA_ARCHS;; ++c) {
+    if (*c >= '0' && *c <= '9') {
+      value = value * 10 + (*c - '0');
+    } else {
+      if (value <= cc && value > best) best = value;
+      value = 0;
+      if (*c == '\0') break;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+int device_compute_capability() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices && cached[dev]) return cached[dev];
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  const int cc = major * 10 + minor;
+  if (dev < kMaxDevices) cached[dev] = cc;
+  return cc;
+}
+
+Arch resolve_arch(Arch requested, int compute_capability) {
+  const int target = best_compiled_target(compute_capability);
+  if (target == 0) return Arch::kAuto;
+  if (requested == Arch::kAuto) {
+    if (target >= 80) return Arch::kSm80;
+    return target >= 75 ? Arch::kSm75 : Arch::kSm70;
+  }
+  return static_cast<int>(requested) <= target ? requested : Arch::kAuto;
+}
+
+const char* compiled_cuda_archs() { return MLA_KV_CUDA_ARCHS; }
+
+const char* status_string(Status s) {
+  switch (s) {
+    case Status::kOk: return "ok";
+    case Status::kUnsupportedDType: return "dtype not supported by this arch variant";
+    case Status::kUnsupportedArch: return "no kernel variant for this GPU / arch tag in this build";
+    case Status::kInvalidArgument: return "invalid argument (alignment or size)";
+    case Status::kCudaError: return "CUDA error";
+  }
+  return "unknown status";
+}
+
+}  // namespace mla_kv

@@ -1,0 +1,87 @@
+// The one small layer that knows about architectures: arch tags, element conversions and 16-byte
+// vector memory access. Kernels are templates on a tag; a tag's body is compiled only for targets
+// that can run it (MLA_KV_ARCH_GUARD), so the Sm70 variant exists in an sm_90 build and runs there.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace mla_kv {
+namespace arch {
+
+struct Sm70 {
+  static constexpr int kMinCudaArch = 700;
+  static constexpr bool kHasBf16 = false;
+};
+struct Sm75 {
+  static constexpr int kMinCudaArch = 750;
+  static constexpr bool kHasBf16 = false;
+};
+struct Sm80 {
+  static constexpr int kMinCudaArch = 800;
+  static constexpr bool kHasBf16 = true;
+};
+
+// True in the device pass for a target that can run tag A's instructions (and on the host).
+template <class A>
+__host__ __device__ constexpr bool target_supports() {
+#if defined(__CUDA_ARCH__)
+  return __CUDA_ARCH__ >= A::kMinCudaArch;
+#else
+  return true;
+#endif
+}
+
+// --- element conversions (fp32 math everywhere) ---
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// N elements of T moved as one access (16 bytes when N * sizeof(T) == 16).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Streaming read of data used once (inputs): read-only path, no L1 allocation on Sm80+.
+template <class A, class T, int N>
+__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+  const auto* vp = reinterpret_cast<const Vec<T, N>*>(p);
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    int4 r;
+    if constexpr (A::kMinCudaArch >= 800) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(vp));
+    } else {
+      r = __ldg(reinterpret_cast<const int4*>(vp));
+    }
+    Vec<T, N> out;
+    *reinterpret_cast<int4*>(&out) = r;
+    return out;
+  } else {
+    return *vp;
+  }
+}
+
+// Read of small data reused by many threads (weights, cos/sin rows): read-only cached path.
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_cached(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+}  // namespace arch
+}  // namespace mla_kv

@@ -1,0 +1,70 @@
+// invokeWriteKv*: resolves the arch tag, dtype and vector width, then calls the per-arch launcher.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../arch/arch.cuh"
+#include "write_kv_launch.h"
+
+namespace mla_kv {
+namespace {
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Largest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
+int64_t access_bytes(const WriteKvParams& p, const RowLayout& row, const void* base,
+                     int64_t extra_stride_bytes) {
+  const int64_t es = dtype_size(p.dtype);
+  const char* q_rope = p.q ? static_cast<const char*>(p.q) + (p.q_head_dim - kRopeDim) * es : nullptr;
+  for (int64_t bytes : {int64_t(16), 2 * es}) {
+    bool ok = aligned(p.kv_c, bytes) && aligned(p.k_pe, bytes) && (p.kv_c_stride * es) % bytes == 0 &&
+              (p.k_pe_stride * es) % bytes == 0 && aligned(base, bytes) &&
+              extra_stride_bytes % bytes == 0 && row.row_stride_bytes % bytes == 0 &&
+              (row.latent_offset * es) % bytes == 0 && (row.rope_offset * es) % bytes == 0;
+    if (p.rms_weight) ok = ok && aligned(p.rms_weight, bytes);
+    if (p.rms_weight && q_rope)
+      ok = ok && aligned(q_rope, bytes) && (p.q_stride_token * es) % bytes == 0 &&
+           (p.q_stride_head * es) % bytes == 0;
+    if (ok) return bytes;
+  }
+  return 0;
+}
+
+template <class Rows>
+Status dispatch(const WriteKvParams& p, const Rows& rows, int64_t access, Arch arch, cudaStream_t stream) {
+  if (access == 0) return Status::kInvalidArgument;
+  const bool vec16 = access == 16;
+  const Arch tag = resolve_arch(arch, device_compute_capability());
+  if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  // The write path has no Turing-specific code: Sm75 runs the Volta variant.
+  if (tag == Arch::kSm70 || tag == Arch::kSm75) {
+    switch (p.dtype) {
+      case DType::kFloat16: return write_detail::launch_write_kv<arch::Sm70, __half>(p, rows, vec16, stream);
+      case DType::kFloat32: return write_detail::launch_write_kv<arch::Sm70, float>(p, rows, vec16, stream);
+      default: return Status::kUnsupportedDType;
+    }
+  }
+  switch (p.dtype) {
+    case DType::kFloat16: return write_detail::launch_write_kv<arch::Sm80, __half>(p, rows, vec16, stream);
+    case DType::kBFloat16: return write_detail::launch_write_kv<arch::Sm80, __nv_bfloat16>(p, rows, vec16, stream);
+    case DType::kFloat32: return write_detail::launch_write_kv<arch::Sm80, float>(p, rows, vec16, stream);
+  }
+  return Status::kUnsupportedDType;
+}
+
+}  // namespace
+
+Status invokeWriteKvPaged(const WriteKvParams& params, const PagedCache& cache,
+                          const int64_t* slot_mapping, Arch arch, cudaStream_t stream) {
+  const int64_t access = access_bytes(params, cache.row, cache.base, cache.block_stride_bytes);
+  return dispatch(params, PagedSlotRows{cache, slot_mapping}, access, arch, stream);
+}
+
+Status invokeWriteKvBlocks(const WriteKvParams& params, const BlockPointerCache& cache,
+                           const int* cu_q_lens, const int* history_lens, Arch arch,
+                           cudaStream_t stream) {
+  // Block base pointers live on the device; they must be 16-byte aligned (allocators give 256).
+  const int64_t access = access_bytes(params, cache.row, nullptr, cache.layer_offset_bytes);
+  return dispatch(params, BlockPointerRows{cache, cu_q_lens, history_lens}, access, arch, stream);
+}
+
+}  // namespace mla_kv

@@ -1,0 +1,114 @@
+// pybind11 module: converts Python ints (pointers, strides, stream) to the C++ API's structs and
+// calls invoke*. No validation here (python/mla_kv/ops.py does it) and no libtorch.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <pybind11/pybind11.h>
+
+#include "mla_kv/arch.h"
+#include "mla_kv/layout.h"
+#include "mla_kv/write.h"
+
+namespace py = pybind11;
+using namespace mla_kv;
+
+namespace {
+
+template <class P>
+P* as_ptr(uintptr_t v) { return reinterpret_cast<P*>(v); }
+
+cudaStream_t as_stream(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
+
+void check(Status s, const char* op) {
+  if (s == Status::kOk) return;
+  std::string msg = std::string("mla_kv.") + op + ": " + status_string(s);
+  if (s == Status::kCudaError) msg += std::string(": ") + cudaGetErrorString(cudaGetLastError());
+  throw std::runtime_error(msg);
+}
+
+// Pointer members are exposed to Python as integers (tensor.data_ptr()).
+#define PTR_PROPERTY(cls, Type, field)                                                  \
+  def_property(#field, [](const Type& o) { return reinterpret_cast<uintptr_t>(o.field); }, \
+               [](Type& o, uintptr_t v) { o.field = reinterpret_cast<decltype(o.field)>(v); })
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mla_kv CUDA kernels (pointer-level API; use the mla_kv package)";
+
+  py::enum_<DType>(m, "DType")
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("float32", DType::kFloat32);
+  py::enum_<Arch>(m, "Arch")
+      .value("auto", Arch::kAuto)
+      .value("sm70", Arch::kSm70)
+      .value("sm75", Arch::kSm75)
+      .value("sm80", Arch::kSm80);
+  py::enum_<RopeStyle>(m, "RopeStyle")
+      .value("interleaved", RopeStyle::kInterleaved)
+      .value("neox", RopeStyle::kNeox);
+
+  py::class_<RowLayout>(m, "RowLayout")
+      .def(py::init([](int latent_offset, int rope_offset, int64_t row_stride_bytes) {
+             return RowLayout{latent_offset, rope_offset, row_stride_bytes};
+           }),
+           py::arg("latent_offset"), py::arg("rope_offset"), py::arg("row_stride_bytes"));
+
+  py::class_<PagedCache>(m, "PagedCache")
+      .def(py::init([](uintptr_t base, int64_t num_blocks, int block_size, int64_t block_stride_bytes,
+                       const RowLayout& row) {
+             return PagedCache{as_ptr<void>(base), num_blocks, block_size, block_stride_bytes, row};
+           }),
+           py::arg("base"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("block_stride_bytes"), py::arg("row"));
+
+  py::class_<BlockPointerCache>(m, "BlockPointerCache")
+      .def(py::init([](uintptr_t block_ptrs, uintptr_t cu_block_nums, int batch, int block_seq_len,
+                       int64_t layer_offset_bytes, const RowLayout& row) {
+             return BlockPointerCache{as_ptr<void* const>(block_ptrs), as_ptr<const int>(cu_block_nums),
+                                      batch, block_seq_len, layer_offset_bytes, row};
+           }),
+           py::arg("block_ptrs"), py::arg("cu_block_nums"), py::arg("batch"),
+           py::arg("block_seq_len"), py::arg("layer_offset_bytes"), py::arg("row"));
+
+  py::class_<WriteKvParams>(m, "WriteKvParams")
+      .def(py::init([]() { return WriteKvParams{}; }))
+      .def_readwrite("dtype", &WriteKvParams::dtype)
+      .def_readwrite("num_tokens", &WriteKvParams::num_tokens)
+      .PTR_PROPERTY(cls, WriteKvParams, kv_c)
+      .def_readwrite("kv_c_stride", &WriteKvParams::kv_c_stride)
+      .PTR_PROPERTY(cls, WriteKvParams, k_pe)
+      .def_readwrite("k_pe_stride", &WriteKvParams::k_pe_stride)
+      .PTR_PROPERTY(cls, WriteKvParams, rms_weight)
+      .def_readwrite("rms_eps", &WriteKvParams::rms_eps)
+      .PTR_PROPERTY(cls, WriteKvParams, positions)
+      .PTR_PROPERTY(cls, WriteKvParams, cos_sin)
+      .def_readwrite("cos_sin_fp32", &WriteKvParams::cos_sin_fp32)
+      .def_readwrite("max_position", &WriteKvParams::max_position)
+      .def_readwrite("rope_style", &WriteKvParams::rope_style)
+      .PTR_PROPERTY(cls, WriteKvParams, q)
+      .def_readwrite("q_heads", &WriteKvParams::q_heads)
+      .def_readwrite("q_head_dim", &WriteKvParams::q_head_dim)
+      .def_readwrite("q_stride_token", &WriteKvParams::q_stride_token)
+      .def_readwrite("q_stride_head", &WriteKvParams::q_stride_head);
+
+  m.def("write_kv_paged",
+        [](const WriteKvParams& p, const PagedCache& cache, uintptr_t slot_mapping, Arch arch,
+           uintptr_t stream) {
+          check(invokeWriteKvPaged(p, cache, as_ptr<const int64_t>(slot_mapping), arch, as_stream(stream)),
+                "write_kv");
+        });
+  m.def("write_kv_blocks",
+        [](const WriteKvParams& p, const BlockPointerCache& cache, uintptr_t cu_q_lens,
+           uintptr_t history_lens, Arch arch, uintptr_t stream) {
+          check(invokeWriteKvBlocks(p, cache, as_ptr<const int>(cu_q_lens), as_ptr<const int>(history_lens),
+                                    arch, as_stream(stream)),
+                "write_kv_blocks");
+        });
+
+  m.def("compiled_cuda_archs", &compiled_cuda_archs);
+  m.def("device_compute_capability", &device_compute_capability);
+  m.def("resolve_arch", &resolve_arch);
+}

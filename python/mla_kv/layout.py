@@ -1,0 +1,144 @@
+"""Cache layouts: the row, the paged tensor and TurboMind-style block pointers.
+
+A row is one token of one layer: 576 values, [c_kv (512) | k_pe (64)] in the paged tensor (vLLM,
+FlashMLA, FlashInfer) and [k_pe | c_kv] ("rope first") behind TurboMind block pointers by default.
+Quantized rows (later) append per-token scale bytes, so ``row_stride_bytes`` may exceed 576 values.
+
+Paged tensor, per layer::
+
+    kv_cache [num_blocks, block_size, 576]      slot = block_id * block_size + offset
+    block_table [B, max_blocks] int32           sequence b, position p -> block_table[b, p // block_size]
+
+Block pointers (one allocation per block holds every layer)::
+
+    block_ptrs  [sum of blocks] int64 (device addresses)
+    cu_block_nums [B + 1] int32                 sequence b owns block_ptrs[cu[b]:cu[b+1]]
+    block base + layer_offset_bytes + (p % block_seq_len) * row_stride_bytes -> row of position p
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+ROW_DIM = LATENT_DIM + ROPE_DIM
+
+
+@dataclass
+class BlockPointerCache:
+    """One layer's view of a TurboMind-style block-pointer cache.
+
+    block_ptrs: int64 tensor of block base addresses (16-byte aligned) on the cache's device.
+    cu_block_nums: int32 [B + 1], sequence b owns block_ptrs[cu_block_nums[b]:cu_block_nums[b+1]].
+    block_seq_len: rows per block (a multiple of 64 for TurboMind on sm70).
+    layer_offset_bytes: where this layer's rows start inside each block.
+    dtype: element type of the rows.
+    rope_first: row order [k_pe | c_kv] (TurboMind) if True, else [c_kv | k_pe].
+    row_stride_bytes: bytes from one row to the next (576 * element size when unquantized).
+    """
+
+    block_ptrs: torch.Tensor
+    cu_block_nums: torch.Tensor
+    block_seq_len: int
+    layer_offset_bytes: int
+    dtype: torch.dtype
+    rope_first: bool = True
+    row_stride_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.row_stride_bytes is None:
+            self.row_stride_bytes = ROW_DIM * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def batch(self) -> int:
+        return self.cu_block_nums.shape[0] - 1
+
+    @property
+    def latent_offset(self) -> int:
+        return ROPE_DIM if self.rope_first else 0
+
+    @property
+    def rope_offset(self) -> int:
+        return 0 if self.rope_first else LATENT_DIM
+
+
+class BlockPool:
+    """A pool of TurboMind-style blocks in one tensor, for tests, demos and engines without one.
+
+    ``storage`` is [num_blocks, num_layers, block_seq_len, 576]; block i's base address is
+    ``storage[i].data_ptr()``. ``layer_view(l)`` is layer l's rows as a paged tensor
+    [num_blocks, block_seq_len, 576] in the pool's row order, so the paged reference ops can check
+    what the block-pointer kernels wrote.
+    """
+
+    def __init__(self, num_blocks: int, num_layers: int, block_seq_len: int, dtype: torch.dtype,
+                 device="cpu", rope_first: bool = True):
+        self.storage = torch.empty(num_blocks, num_layers, block_seq_len, ROW_DIM, dtype=dtype,
+                                   device=device)
+        self.block_seq_len = block_seq_len
+        self.rope_first = rope_first
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    def layer_offset_bytes(self, layer: int) -> int:
+        return layer * self.storage.stride(1) * self.storage.element_size()
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        return self.storage[:, layer]
+
+    def cache(self, layer: int, block_ids: torch.Tensor, cu_block_nums: torch.Tensor) -> BlockPointerCache:
+        """The BlockPointerCache of ``layer`` for sequences owning ``block_ids`` (flat, by cu_block_nums)."""
+        block_bytes = self.storage.stride(0) * self.storage.element_size()
+        ptrs = self.storage.data_ptr() + block_ids.to(torch.int64) * block_bytes
+        return BlockPointerCache(
+            block_ptrs=ptrs.to(self.storage.device),
+            cu_block_nums=cu_block_nums.to(device=self.storage.device, dtype=torch.int32),
+            block_seq_len=self.block_seq_len, layer_offset_bytes=self.layer_offset_bytes(layer),
+            dtype=self.dtype, rope_first=self.rope_first)
+
+
+def to_latent_first(rows: torch.Tensor) -> torch.Tensor:
+    """[k_pe | c_kv] rows -> [c_kv | k_pe] rows (a copy)."""
+    return torch.cat([rows[..., ROPE_DIM:], rows[..., :ROPE_DIM]], dim=-1)
+
+
+def to_rope_first(rows: torch.Tensor) -> torch.Tensor:
+    """[c_kv | k_pe] rows -> [k_pe | c_kv] rows (a copy)."""
+    return torch.cat([rows[..., LATENT_DIM:], rows[..., :LATENT_DIM]], dim=-1)
+
+
+def block_slots(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cu_block_nums: torch.Tensor,
+                block_ids: torch.Tensor, block_seq_len: int) -> torch.Tensor:
+    """Slot mapping (into a pool layer view) of the packed new tokens of a block-pointer batch.
+
+    Token i of sequence b sits at position history_lens[b] + i, in block
+    block_ids[cu_block_nums[b] + position // block_seq_len]. Positions past a sequence's blocks
+    map to -1 (the kernels skip them). Runs on the host; for references and validation.
+    """
+    cu_q, hist = cu_q_lens.cpu().long(), history_lens.cpu().long()
+    cu_b, ids = cu_block_nums.cpu().long(), block_ids.cpu().long()
+    slots = []
+    for b in range(cu_q.shape[0] - 1):
+        pos = hist[b] + torch.arange(int(cu_q[b + 1] - cu_q[b]))
+        blk = pos // block_seq_len
+        nblocks = int(cu_b[b + 1] - cu_b[b])
+        ok = blk < nblocks
+        s = torch.full_like(pos, -1)
+        s[ok] = ids[cu_b[b] + blk[ok]] * block_seq_len + pos[ok] % block_seq_len
+        slots.append(s)
+    return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+
+
+def block_table_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list:
+    """Per sequence, the slots of positions 0..seq_len-1 under a paged block table (host lists)."""
+    bt, lens = block_table.cpu().long(), seq_lens.cpu().long()
+    out = []
+    for b in range(bt.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        out.append(bt[b, pos // block_size] * block_size + pos % block_size)
+    return out

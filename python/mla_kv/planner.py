@@ -1,0 +1,289 @@
+"""KV cache memory planner: what a model costs per token and how much context fits on a GPU.
+
+For an MLA model it plans two layouts side by side:
+
+- ``latent``: the paged latent cache this library keeps, one row [c_kv | k_pe] per token and layer
+  (kv_lora_rank + qk_rope_head_dim = 576 values). Tensor parallelism does not shrink it: every
+  rank keeps the whole latent cache, because every rank's heads read all of it.
+- ``expanded``: per-head K and V rows of 576 values each, the layout of the engine bug this library
+  fixes: heads/tp x 2 x 576 values per token and layer, 2 x heads times the latent.
+
+A GQA model (for comparison) has one layout, ``kv``: kv_heads/tp x 2 x head_dim values per token
+and layer (KV heads are replicated when tp exceeds their number).
+
+Memory accounting (TurboMind's ``cache_max_entry_count`` semantics), per GPU::
+
+    free         = gpu_mem - weight_bytes / tp - reserved_bytes
+    cache        = floor(ratio * free)                   ratio: fraction of FREE memory, default 0.8
+    bytes_per_block = block_size * bytes_per_token       bytes_per_token: all cached layers
+    num_blocks   = cache // bytes_per_block              whole blocks only
+    max_tokens   = num_blocks * block_size * cp          context parallelism spreads tokens over cp GPUs
+    session_len  = min(max_tokens, model max context)    truncated when max_tokens is the smaller
+
+Conventions: GPU memory is in GiB (2^30 B; NVIDIA's "32 GB" V100 is 32 GiB of HBM) and weight
+sizes are in decimal GB (10^9 B, as checkpoint files are listed). ``weight_bytes`` is the whole
+model, sharded evenly over tp ranks; cp ranks hold the same shards (each GPU holds weights / tp).
+``reserved_bytes`` (default 2 GiB) stands for what the runtime takes before the cache is sized:
+the CUDA context, library workspaces and activation buffers, plus the few hundred MiB by which the
+driver's usable total falls short of the nominal size.
+MTP (next-token prediction) layers are not counted by default: TurboMind and HF transformers do
+not cache them in normal decoding; ``count_mtp_layers=True`` adds them for engines that do
+(speculative decoding with the MTP head).
+
+The bug report this planner reproduces: GLM-4.7-Flash (47 layers, 20 heads) on a V100-32G with
+18.4 GB of AWQ weights and ratio 0.8; the engine logged "session_len truncated to 4928". Here:
+free = 34,359,738,368 - 18,400,000,000 - 2,147,483,648 = 13,812,254,720 B, cache 11,049,803,776 B;
+expanded 46,080 B x 47 layers = 2,165,760 B/token, 138,608,640 B per block of 64 -> 79 blocks =
+5,056 tokens; latent 1,152 x 47 = 54,144 B/token, 3,465,216 B per block -> 3,188 blocks =
+204,032 tokens >= the model's 202,752. No accounting gives exactly 4,928 together with a latent
+context >= 202,752: the layouts differ by exactly 40x per block, and 40 x (4,928 + 64) = 199,680
+< 202,752. The engine's 4,928 (77 blocks) is 2 blocks (~0.3 GB) below this plan; its runtime
+buffers were that much larger than the 2 GiB reserved here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from .layout import LATENT_DIM, ROPE_DIM
+
+GiB = 1 << 30
+GB = 10 ** 9
+
+DEFAULT_RATIO = 0.8
+DEFAULT_RESERVED_BYTES = 2 * GiB
+DEFAULT_BLOCK_SIZE = 64
+
+CACHE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# HF config.json model types whose attention is MLA (a latent cache of kv_lora_rank + rope values).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2")
+
+
+@dataclass(frozen=True)
+class MlaModel:
+    """Shapes of an MLA model that decide its cache size (HF config.json names in comments)."""
+
+    name: str
+    num_layers: int                      # num_hidden_layers
+    num_heads: int                       # num_attention_heads
+    max_context: int                     # max_position_embeddings
+    kv_lora_rank: int = LATENT_DIM
+    qk_rope_head_dim: int = ROPE_DIM
+    num_mtp_layers: int = 0              # num_nextn_predict_layers
+
+    attention = "mla"
+
+    def bytes_per_token_per_layer(self, element_size: int, tp: int) -> Dict[str, int]:
+        if self.num_heads % tp:
+            raise ValueError(f"tp={tp} does not divide {self.name}'s {self.num_heads} attention heads")
+        row = (self.kv_lora_rank + self.qk_rope_head_dim) * element_size
+        return {"latent": row, "expanded": self.num_heads // tp * 2 * row}
+
+
+@dataclass(frozen=True)
+class GqaModel:
+    """Shapes of a grouped-query-attention model, for comparison with MLA."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int                    # num_key_value_heads
+    head_dim: int                        # head_dim, or hidden_size / num_attention_heads
+    max_context: int
+    num_mtp_layers: int = 0
+
+    attention = "gqa"
+
+    def bytes_per_token_per_layer(self, element_size: int, tp: int) -> Dict[str, int]:
+        # A rank keeps ceil(kv_heads / tp) heads: KV heads are replicated when tp exceeds them.
+        heads_per_rank = -(-self.num_kv_heads // tp)
+        return {"kv": heads_per_rank * 2 * self.head_dim * element_size}
+
+
+Model = Union[MlaModel, GqaModel]
+
+# Public HF config.json values (max_position_embeddings, num_nextn_predict_layers included).
+MODELS: Dict[str, Model] = {m.name: m for m in (
+    MlaModel("glm-4.7-flash", num_layers=47, num_heads=20, max_context=202_752, num_mtp_layers=1),
+    MlaModel("deepseek-v2-lite", num_layers=27, num_heads=16, max_context=163_840),
+    MlaModel("deepseek-v3", num_layers=61, num_heads=128, max_context=163_840, num_mtp_layers=1),
+    MlaModel("kimi-k2", num_layers=61, num_heads=64, max_context=131_072),
+    GqaModel("llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, max_context=131_072),
+    GqaModel("llama-3.1-70b", num_layers=80, num_kv_heads=8, head_dim=128, max_context=131_072),
+)}
+
+# Nominal memory in GiB. The driver reports a few hundred MiB less (reserved_bytes covers it).
+GPU_MEM_GIB: Dict[str, float] = {
+    "v100-16g": 16, "v100-32g": 32, "t4": 16, "a10": 24, "l4": 24, "a100-40g": 40,
+    "a100-80g": 80, "l40s": 48, "h100": 80, "h200": 141,
+}
+
+
+def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
+    """A model from an HF config dict: MLA by model_type, else GQA when it has num_key_value_heads.
+
+    Multimodal configs are read through their ``text_config``.
+    """
+    cfg = config.get("text_config") or config
+    model_type = cfg.get("model_type", config.get("model_type"))
+
+    def need(key):
+        if cfg.get(key) is None:
+            raise ValueError(f"{name}: missing {key!r} (model_type {model_type!r})")
+        return int(cfg[key])
+
+    if model_type in MLA_MODEL_TYPES:
+        return MlaModel(name, num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
+                        max_context=need("max_position_embeddings"), kv_lora_rank=need("kv_lora_rank"),
+                        qk_rope_head_dim=need("qk_rope_head_dim"),
+                        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    if cfg.get("num_key_value_heads") is not None:
+        head_dim = cfg.get("head_dim") or need("hidden_size") // need("num_attention_heads")
+        return GqaModel(name, num_layers=need("num_hidden_layers"), num_kv_heads=need("num_key_value_heads"),
+                        head_dim=int(head_dim), max_context=need("max_position_embeddings"),
+                        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    raise ValueError(f"{name}: model_type {model_type!r} is not MLA ({', '.join(MLA_MODEL_TYPES)}) "
+                     "and has no num_key_value_heads")
+
+
+def load_model(name_or_path: str) -> Model:
+    """A preset by name (see MODELS), or a local HF config.json (the file or its directory)."""
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
+    path = name_or_path
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(MODELS)}) "
+                         "nor a config.json file or a directory holding one")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model config {path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model config {path}: expected a JSON object")
+    return model_from_hf_config(config, name=path)
+
+
+def gpu_mem_bytes(preset: str) -> int:
+    """Nominal memory of a GPU preset (see GPU_MEM_GIB) in bytes."""
+    if preset not in GPU_MEM_GIB:
+        raise ValueError(f"gpu {preset!r} is not a preset ({', '.join(GPU_MEM_GIB)})")
+    return int(GPU_MEM_GIB[preset] * GiB)
+
+
+def current_gpu() -> Optional[Tuple[str, int]]:
+    """(name, total memory in bytes) of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, int(props.total_memory)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """How one cache layout fits. Per-GPU sizes; max_tokens and session_len count all cp ranks."""
+
+    layout: str
+    bytes_per_token_per_layer: int
+    num_cached_layers: int
+    bytes_per_token: int
+    bytes_per_block: int
+    num_blocks: int
+    max_tokens: int
+    session_len: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The inputs, the per-GPU memory split and one LayoutPlan per layout (latent/expanded or kv)."""
+
+    model: Model
+    gpu_mem_bytes: int
+    weight_bytes_per_gpu: int
+    reserved_bytes: int
+    free_bytes: int
+    cache_bytes: int
+    ratio: float
+    block_size: int
+    cache_dtype: str
+    tp: int
+    cp: int
+    layouts: Dict[str, LayoutPlan]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the inputs and memory split, the model, and one key per layout."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("model", "layouts")}
+        out["model"] = dict(asdict(self.model), attention=self.model.attention)
+        out.update({name: asdict(lp) for name, lp in self.layouts.items()})
+        return out
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_bytes(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of bytes, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return int(value)
+
+
+def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
+         reserved_bytes: float = DEFAULT_RESERVED_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
+         cache_dtype: str = "fp16", tp: int = 1, cp: int = 1, count_mtp_layers: bool = False) -> MemoryPlan:
+    """Plans the KV cache of ``model`` on GPUs of ``gpu_mem_bytes`` each (see the module docstring).
+
+    weight_bytes is the whole model's (each GPU holds weight_bytes / tp). When weights and reserved
+    bytes exceed the GPU, free memory is 0 and no token fits.
+    """
+    if not isinstance(model, (MlaModel, GqaModel)):
+        raise TypeError(f"model must be an MlaModel or GqaModel, got {type(model).__name__}")
+    gpu = _check_bytes(gpu_mem_bytes, "gpu_mem_bytes")
+    if gpu == 0:
+        raise ValueError("gpu_mem_bytes must be > 0")
+    weights = _check_bytes(weight_bytes, "weight_bytes")
+    reserved = _check_bytes(reserved_bytes, "reserved_bytes")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"ratio must be a number, got {type(ratio).__name__}")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a fraction of free memory in (0, 1], got {ratio!r}")
+    _check_int(block_size, "block_size", 1)
+    _check_int(tp, "tp", 1)
+    _check_int(cp, "cp", 1)
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+
+    per_layer = model.bytes_per_token_per_layer(CACHE_DTYPES[cache_dtype].itemsize, tp)
+    layers = model.num_layers + (model.num_mtp_layers if count_mtp_layers else 0)
+    weights_per_gpu = weights // tp
+    free = max(0, gpu - weights_per_gpu - reserved)
+    cache = int(free * ratio)
+
+    layouts = {}
+    for name, layer_bytes in per_layer.items():
+        per_token = layer_bytes * layers
+        per_block = per_token * block_size
+        blocks = cache // per_block
+        max_tokens = blocks * block_size * cp
+        layouts[name] = LayoutPlan(
+            layout=name, bytes_per_token_per_layer=layer_bytes, num_cached_layers=layers,
+            bytes_per_token=per_token, bytes_per_block=per_block, num_blocks=blocks,
+            max_tokens=max_tokens, session_len=min(max_tokens, model.max_context),
+            truncated=max_tokens < model.max_context)
+    return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
+                      reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=float(ratio),
+                      block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts)

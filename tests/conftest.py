@@ -1,0 +1,71 @@
+"""Shared test setup: per-test seeds, the `gpu` marker's skip rule and an ulp-distance fixture.
+
+Tests marked ``@pytest.mark.gpu`` run only where a CUDA device is visible and mla_kv was built with
+its kernels (``mla_kv.kernels_available()``); elsewhere they are skipped with the reason. On the GPU
+machine set ``MLA_KV_REQUIRE_GPU=1`` so that a missing device or build fails the run instead of
+skipping every kernel test.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+
+def _gpu_unavailable_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from mla_kv import ops  # imported late: a CPU-only run must not need the package importable
+    if not ops.kernels_available():
+        return "mla_kv was built without its CUDA kernels"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = _gpu_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("MLA_KV_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(f"MLA_KV_REQUIRE_GPU=1 but GPU tests cannot run: {reason}")
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Seeds torch from the test's id: reruns see the same data, different tests different data."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+_INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+           torch.float64: torch.int64}
+
+
+def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise count of representable values of a's dtype between a and b (int64; 0 = equal).
+
+    Floats are mapped to integers in value order (sign-magnitude bits -> two's complement), so the
+    difference counts steps exactly, across binade edges and subnormals; +0 and -0 are 0 apart.
+    """
+    if a.dtype != b.dtype or a.dtype not in _INT_OF:
+        raise TypeError(f"ulp_distance needs two tensors of one float dtype, got {a.dtype} and {b.dtype}")
+    int_dtype = _INT_OF[a.dtype]
+    magnitude_mask = torch.iinfo(int_dtype).max
+
+    def ordered(x):
+        bits = x.contiguous().view(int_dtype)
+        return torch.where(bits < 0, -(bits & magnitude_mask), bits).to(torch.int64)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.fixture
+def ulp_distance():
+    """The function ``ulp_distance(a, b)`` above, for tests comparing against a rounding tolerance."""
+    return _ulp_distance
