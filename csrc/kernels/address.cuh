@@ -46,4 +46,42 @@ struct BlockPointerRows {
   }
 };
 
+// Reads position `pos` of sequence b through a paged block table. nullptr for positions the table
+// does not cover or block ids outside the cache: the kernels treat such rows as zeros.
+struct PagedTableRows {
+  PagedCache cache;
+  const int* block_table;
+  int64_t block_table_stride;
+  int max_blocks;  // entries per block-table row
+
+  __device__ __forceinline__ const char* row(int b, int pos) const {
+    const int i = pos / cache.block_size;
+    if (i >= max_blocks) return nullptr;
+    const int block = block_table[b * block_table_stride + i];
+    if (block < 0 || block >= cache.num_blocks) return nullptr;
+    return static_cast<const char*>(cache.base) + int64_t(block) * cache.block_stride_bytes +
+           int64_t(pos - i * cache.block_size) * cache.row.row_stride_bytes;
+  }
+};
+
+// Reads position `pos` of sequence b through TurboMind-style block pointers.
+struct BlockPointerTableRows {
+  BlockPointerCache cache;
+
+  __device__ __forceinline__ const char* row(int b, int pos) const {
+    const int i = pos / cache.block_seq_len;
+    const int first = cache.cu_block_nums[b];
+    if (i >= cache.cu_block_nums[b + 1] - first) return nullptr;
+    return static_cast<const char*>(cache.block_ptrs[first + i]) + cache.layer_offset_bytes +
+           int64_t(pos - i * cache.block_seq_len) * cache.row.row_stride_bytes;
+  }
+};
+
+// Kernels keep rows in shared memory in the canonical [c_kv | k_pe] order, like q's [q_lat | q_pe]:
+// the column of element e of a stored row (parts start at multiples of 64 elements).
+__device__ __forceinline__ int canonical_column(const RowLayout& row, int e) {
+  return (e >= row.latent_offset && e < row.latent_offset + kLatentDim) ? e - row.latent_offset
+                                                                        : kLatentDim + e - row.rope_offset;
+}
+
 }  // namespace mla_kv

@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 
 #include "mla_kv/arch.h"
+#include "mla_kv/attention.h"
+#include "mla_kv/bench.h"
 #include "mla_kv/layout.h"
 #include "mla_kv/write.h"
 
@@ -107,6 +109,64 @@ PYBIND11_MODULE(_C, m) {
                                     arch, as_stream(stream)),
                 "write_kv_blocks");
         });
+
+  py::class_<AttentionParams>(m, "AttentionParams")
+      .def(py::init([]() { return AttentionParams{}; }))
+      .def_readwrite("dtype", &AttentionParams::dtype)
+      .def_readwrite("batch", &AttentionParams::batch)
+      .def_readwrite("num_heads", &AttentionParams::num_heads)
+      .def_readwrite("q_len", &AttentionParams::q_len)
+      .PTR_PROPERTY(cls, AttentionParams, cu_q_lens)
+      .def_readwrite("total_q_tokens", &AttentionParams::total_q_tokens)
+      .PTR_PROPERTY(cls, AttentionParams, kv_lens)
+      .def_readwrite("causal", &AttentionParams::causal)
+      .def_readwrite("softmax_scale", &AttentionParams::softmax_scale)
+      .PTR_PROPERTY(cls, AttentionParams, q)
+      .def_readwrite("q_stride_b", &AttentionParams::q_stride_b)
+      .def_readwrite("q_stride_t", &AttentionParams::q_stride_t)
+      .def_readwrite("q_stride_h", &AttentionParams::q_stride_h)
+      .PTR_PROPERTY(cls, AttentionParams, out)
+      .def_readwrite("out_stride_b", &AttentionParams::out_stride_b)
+      .def_readwrite("out_stride_t", &AttentionParams::out_stride_t)
+      .def_readwrite("out_stride_h", &AttentionParams::out_stride_h)
+      .PTR_PROPERTY(cls, AttentionParams, lse)
+      .def_readwrite("lse_stride_b", &AttentionParams::lse_stride_b)
+      .def_readwrite("lse_stride_t", &AttentionParams::lse_stride_t)
+      .def_readwrite("lse_stride_h", &AttentionParams::lse_stride_h)
+      .def_readwrite("num_splits", &AttentionParams::num_splits)
+      .def_readwrite("tokens_per_split", &AttentionParams::tokens_per_split)
+      .PTR_PROPERTY(cls, AttentionParams, workspace);
+
+  py::class_<AttentionSchedule>(m, "AttentionSchedule")
+      .def_readonly("num_splits", &AttentionSchedule::num_splits)
+      .def_readonly("tokens_per_split", &AttentionSchedule::tokens_per_split);
+  m.def("make_attention_schedule", &make_attention_schedule);
+  m.def("attention_workspace_size", &attention_workspace_size);
+  m.def("attention_paged",
+        [](const AttentionParams& p, const PagedCache& cache, uintptr_t block_table, int64_t block_table_stride,
+           int max_blocks, Arch arch, uintptr_t stream) {
+          check(invokeAttentionPaged(p, cache, as_ptr<const int>(block_table), block_table_stride, max_blocks,
+                                     arch, as_stream(stream)),
+                "attention");
+        });
+  m.def("attention_blocks", [](const AttentionParams& p, const BlockPointerCache& cache, Arch arch,
+                               uintptr_t stream) {
+    check(invokeAttentionBlocks(p, cache, arch, as_stream(stream)), "attention_blocks");
+  });
+  m.def("merge_states", [](DType dtype, int64_t num_rows, int dim, uintptr_t out_a, int64_t out_a_stride,
+                           uintptr_t lse_a, uintptr_t out_b, int64_t out_b_stride, uintptr_t lse_b, uintptr_t out,
+                           int64_t out_stride, uintptr_t lse, uintptr_t stream) {
+    const MergeParams p{dtype, num_rows, dim, as_ptr<const void>(out_a), out_a_stride, as_ptr<const float>(lse_a),
+                        as_ptr<const void>(out_b), out_b_stride, as_ptr<const float>(lse_b), as_ptr<void>(out),
+                        out_stride, as_ptr<float>(lse)};
+    check(invokeMergeStates(p, as_stream(stream)), "merge_states");
+  });
+
+  m.def("mma_throughput", [](Arch arch, DType dtype, int blocks, int iterations, uintptr_t stream) {
+    const double flops = invokeMmaThroughput(arch, dtype, blocks, iterations, as_stream(stream));
+    if (flops < 0) throw std::runtime_error("mla_kv.mma_throughput: unsupported arch/dtype or launch failure");
+    return flops;
+  });
 
   m.def("compiled_cuda_archs", &compiled_cuda_archs);
   m.def("device_compute_capability", &device_compute_capability);

@@ -3,13 +3,17 @@
 Ops take torch tensors; CUDA tensors run the compiled kernels, CPU tensors the pure-PyTorch
 reference (mla_kv.reference), which is the specification of every op.
 """
-from . import layout, reference, rope
+from . import layout, reference, rope, weights
 from .layout import BlockPointerCache, BlockPool
-from .ops import fused_write_kv, fused_write_kv_blocks, kernels_available, write_kv, write_kv_blocks
+from .ops import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, fused_write_kv,
+                  fused_write_kv_blocks, kernels_available, merge_states, prefill, write_kv, write_kv_blocks)
+from .weights import absorb_q, project_out, split_kv_b_proj
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockPointerCache", "BlockPool", "fused_write_kv", "fused_write_kv_blocks", "kernels_available",
-    "layout", "reference", "rope", "write_kv", "write_kv_blocks",
+    "AttentionSchedule", "BlockPointerCache", "BlockPool", "absorb_q", "attention_schedule", "decode",
+    "decode_workspace_size", "fused_write_kv", "fused_write_kv_blocks", "kernels_available", "layout",
+    "merge_states", "prefill", "project_out", "reference", "rope", "split_kv_b_proj", "weights", "write_kv",
+    "write_kv_blocks",
 ]

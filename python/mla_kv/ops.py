@@ -12,6 +12,7 @@ captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -119,7 +120,8 @@ def _check_rows(kv_c, k_pe, num_tokens: int, dtype) -> None:
 
 
 def _check_paged_cache(kv_cache) -> None:
-    _tensor("kv_cache", kv_cache, dims=3, dtypes=_DTYPES, last_contiguous=True)
+    dtypes = _DTYPES if kv_cache.device.type == "cuda" else (*_DTYPES, torch.float64)
+    _tensor("kv_cache", kv_cache, dims=3, dtypes=dtypes, last_contiguous=True)
     _size("kv_cache", kv_cache, 2, ROW_DIM)
 
 
@@ -348,3 +350,312 @@ def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: flo
     fused = (rms_weight, eps, positions, cos_sin_cache, rope_style, q)
     _write_blocks(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], cache, cu_q_lens, history_lens, fused,
                   validate, arch)
+
+
+# ------------------------------------------------------------------------------ attention
+@dataclass(frozen=True)
+class AttentionSchedule:
+    """How an attention launch splits the KV: computed from sizes only, so it can be made (and the
+    workspace allocated) outside a CUDA graph and reused by every replay."""
+
+    num_splits: int
+    tokens_per_split: int
+    workspace_bytes: int
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
+                       total_q_tokens: Optional[int] = None, device=None,
+                       arch: Optional[str] = None) -> AttentionSchedule:
+    """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
+
+    max_kv_len bounds every sequence's kv length (decode uses block_table width x block_size);
+    total_q_tokens is batch * q_len for decode and T for prefill.
+    """
+    for name, v in (("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: must be an int >= 0, got {v!r}")
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    tag = _kernel_arch(device, torch.float16, arch)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    s = _C.make_attention_schedule(batch, max(q_len, 1), max(num_heads, 1), max_kv_len, _sm_count(index), tag)
+    total = batch * q_len if total_q_tokens is None else total_q_tokens
+    return AttentionSchedule(s.num_splits, s.tokens_per_split,
+                             _C.attention_workspace_size(total, num_heads, s.num_splits))
+
+
+def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *, device=None,
+                          arch: Optional[str] = None) -> int:
+    """Bytes of ``workspace`` decode needs for these sizes (0 when the KV is not split)."""
+    return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
+
+
+def _check_q(q, dims) -> None:
+    # The kernels take fp16/bf16; the CPU reference any float dtype (float64 for checking).
+    dtypes = (torch.float16, torch.bfloat16) if q.device.type == "cuda" else (*_DTYPES, torch.float64)
+    _tensor("q", q, dims=dims, dtypes=dtypes, last_contiguous=True)
+    _size("q", q, dims - 1, ROW_DIM)
+
+
+def _result_tensor(name, given, shape, dtype, device):
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    _tensor(name, given, dtype=dtype, last_contiguous=True)
+    if tuple(given.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(given.shape)}")
+    if given.device != device:
+        raise ValueError(f"{name}: on {given.device}, expected {device}")
+    return given
+
+
+def _workspace(workspace, schedule: AttentionSchedule, device):
+    if schedule.workspace_bytes == 0:
+        return 0
+    if workspace is None:  # a CUDA graph should pass one sized by attention_schedule()
+        workspace = torch.empty(schedule.workspace_bytes, dtype=torch.uint8, device=device)
+    _tensor("workspace", workspace, dims=1, contiguous=True)
+    if workspace.numel() * workspace.element_size() < schedule.workspace_bytes or workspace.device != device:
+        raise ValueError(f"workspace: needs {schedule.workspace_bytes} bytes on {device}, got "
+                         f"{workspace.numel() * workspace.element_size()} on {workspace.device}")
+    if workspace.data_ptr() % 16:
+        raise ValueError("workspace: must be 16-byte aligned")
+    return workspace.data_ptr()
+
+
+def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, causal, scale, schedule,
+                      workspace_ptr):
+    p = _C.AttentionParams()
+    p.dtype = _c_dtype(q.dtype)
+    p.batch, p.num_heads, p.q_len = batch, q.shape[-2], q_len
+    p.kv_lens, p.causal, p.softmax_scale = kv_lens.data_ptr(), causal, float(scale)
+    p.num_splits, p.tokens_per_split, p.workspace = schedule.num_splits, schedule.tokens_per_split, workspace_ptr
+    p.q, p.out, p.lse = q.data_ptr(), out.data_ptr(), lse.data_ptr()
+    if packed:
+        p.cu_q_lens, p.total_q_tokens = cu_q_lens.data_ptr(), q.shape[0]
+        p.q_stride_b = p.out_stride_b = p.lse_stride_b = 0
+        p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)
+        p.out_stride_t, p.out_stride_h = out.stride(0), out.stride(1)
+        p.lse_stride_t, p.lse_stride_h = lse.stride(0), lse.stride(1)
+    else:
+        p.cu_q_lens, p.total_q_tokens = 0, batch * q_len
+        p.q_stride_b, p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1), q.stride(2)
+        p.out_stride_b, p.out_stride_t, p.out_stride_h = out.stride(0), out.stride(1), out.stride(2)
+        p.lse_stride_b, p.lse_stride_t, p.lse_stride_h = lse.stride(0), lse.stride(1), lse.stride(2)
+    return p
+
+
+def _check_scale(softmax_scale) -> None:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: must be a float > 0 (e.g. mla_kv.rope.mla_softmax_scale), "
+                         f"got {softmax_scale!r}")
+
+
+def _check_lens(name, lens, batch) -> None:
+    _tensor(name, lens, dims=1, dtype=torch.int32, contiguous=True)
+    _size(name, lens, 0, batch)
+
+
+def _validate_table(table_name, lens_name, lens, q_lens, blocks_have, block_size) -> None:
+    """Host checks of device data (validate=True): lengths, q_len <= kv_len, table coverage."""
+    lens, q_lens = lens.cpu().long(), q_lens.cpu().long()
+    if bool((lens < 0).any()):
+        raise ValueError(f"{lens_name}: must be >= 0")
+    bad = (q_lens > lens).nonzero()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"{lens_name}: sequence {b} has {int(q_lens[b])} query tokens but kv length "
+                         f"{int(lens[b])} (the new tokens must already be in the cache)")
+    short = ((lens + block_size - 1) // block_size > blocks_have.cpu().long()).nonzero()
+    if short.numel():
+        b = int(short[0])
+        raise ValueError(f"{table_name}: too short for sequence {b}: {int(lens[b])} positions need "
+                         f"{-(-int(lens[b]) // block_size)} blocks of {block_size}")
+
+
+def _check_block_table(block_table, batch, kv_cache):
+    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    _size("block_table", block_table, 0, batch)
+
+
+def _launch_attention(q, params, cache, block_table, arch):
+    tag = _kernel_arch(q.device, q.dtype, arch)
+    with torch.cuda.device(q.device):
+        if isinstance(cache, BlockPointerCache):
+            _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
+        else:
+            _C.attention_paged(params, _paged_cache(cache), block_table.data_ptr(), block_table.stride(0),
+                               block_table.shape[1], tag, _stream(q.device))
+
+
+def _check_attention_inputs(q, cache, block_table, batch, device_tensors):
+    if isinstance(cache, BlockPointerCache):
+        _check_blocks_read(cache, q.dtype, batch)
+    else:
+        _check_paged_cache(cache)
+        if cache.dtype != q.dtype:
+            raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
+        _check_block_table(block_table, batch, cache)
+    for name, t in (("q", q), ("kv_cache", None if isinstance(cache, BlockPointerCache) else cache)):
+        if t is not None and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1])):
+            raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
+                             f"elements (got strides {t.stride()})")
+    return _same_device(**device_tensors)
+
+
+def _check_blocks_read(cache, dtype, batch) -> None:
+    if not isinstance(cache, BlockPointerCache):
+        raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
+    if cache.dtype != dtype:
+        raise TypeError(f"cache: dtype {cache.dtype} differs from q's {dtype}")
+    _tensor("cache.block_ptrs", cache.block_ptrs, dims=1, dtype=torch.int64, contiguous=True)
+    _tensor("cache.cu_block_nums", cache.cu_block_nums, dims=1, dtype=torch.int32, contiguous=True)
+    if cache.batch != batch:
+        raise ValueError(f"cache.cu_block_nums: describes {cache.batch} sequences, q has {batch}")
+    if cache.row_stride_bytes % 16 or cache.layer_offset_bytes % 16 or cache.block_seq_len < 1:
+        raise ValueError("cache: row_stride_bytes and layer_offset_bytes must be multiples of 16 and "
+                         "block_seq_len >= 1")
+
+
+def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
+           softmax_scale: float, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+           workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
+           validate: bool = False, arch: Optional[str] = None):
+    """Decode attention (S_q >= 1 new tokens per sequence) over the latent cache -> (out, lse).
+
+    q [B, S_q, H, 576] = [q_lat | q_pe] (fp16, or bf16 on sm80+; any strides on B, S_q and H);
+    kv_cache [num_blocks, block_size, 576] with block_table int32 [B, max_blocks], or a
+    layout.BlockPointerCache (then block_table is None); seq_lens int32 [B] = kv length including
+    the new tokens, already in the cache. Query i of sequence b sees positions < seq_lens[b] - S_q + i + 1.
+    softmax_scale is required (mla_kv.rope.mla_softmax_scale gives the model's).
+    Returns out [B, S_q, H, 512] (q's dtype) and lse [B, S_q, H] float32 (natural log); a query that
+    sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
+    attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
+    Reference: mla_kv.reference.decode.
+    """
+    _check_q(q, 4)
+    batch, s_q, heads, _ = q.shape
+    _check_scale(softmax_scale)
+    _check_lens("seq_lens", seq_lens, batch)
+    blocks = isinstance(kv_cache, BlockPointerCache)
+    device = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
+        q=q, seq_lens=seq_lens, kv_cache=None if blocks else kv_cache,
+        block_table=None if blocks else block_table))
+    out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, device)
+    lse = _result_tensor("lse", lse, (batch, s_q, heads), torch.float32, device)
+    if validate:
+        q_lens = torch.full((batch,), s_q)
+        if blocks:
+            have, size = kv_cache.cu_block_nums.diff(), kv_cache.block_seq_len
+        else:
+            have, size = torch.full((batch,), block_table.shape[1]), kv_cache.shape[1]
+        _validate_table("cache.cu_block_nums" if blocks else "block_table", "seq_lens", seq_lens, q_lens, have, size)
+    if device.type != "cuda":
+        if blocks:
+            raise ValueError("cache: block-pointer ops run on CUDA tensors only")
+        return reference.decode(q, kv_cache, block_table, seq_lens, softmax_scale, out=out, lse=lse)
+    max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
+              else block_table.shape[1] * kv_cache.shape[1])
+    if schedule is None:
+        schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch)
+    params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
+                               cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule,
+                               workspace_ptr=_workspace(workspace, schedule, device))
+    _launch_attention(q, params, kv_cache, block_table, arch)
+    return out, lse
+
+
+def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
+            kv_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+            workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
+            validate: bool = False, arch: Optional[str] = None):
+    """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
+
+    q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1]); kv_lens int32 [B] include the new
+    tokens, already in the cache; the q tokens of sequence b are its last q_len_b positions: when
+    causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len. Cache arguments
+    as in decode. Returns out [T, H, 512] and lse [T, H] float32. Reference: mla_kv.reference.prefill.
+    """
+    _check_q(q, 3)
+    tokens, heads, _ = q.shape
+    _check_scale(softmax_scale)
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
+    batch = cu_q_lens.shape[0] - 1
+    _check_lens("kv_lens", kv_lens, batch)
+    blocks = isinstance(kv_cache, BlockPointerCache)
+    device = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
+        q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, kv_cache=None if blocks else kv_cache,
+        block_table=None if blocks else block_table))
+    out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
+    lse = _result_tensor("lse", lse, (tokens, heads), torch.float32, device)
+    if validate:
+        cu = cu_q_lens.cpu().long()
+        if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) != tokens:
+            raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at q's {tokens} tokens")
+        if blocks:
+            have, size = kv_cache.cu_block_nums.diff(), kv_cache.block_seq_len
+        else:
+            have, size = torch.full((batch,), block_table.shape[1]), kv_cache.shape[1]
+        _validate_table("cache.cu_block_nums" if blocks else "block_table", "kv_lens", kv_lens, cu.diff(),
+                        have, size)
+    if device.type != "cuda":
+        if blocks:
+            raise ValueError("cache: block-pointer ops run on CUDA tensors only")
+        return reference.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, causal=causal,
+                                 out=out, lse=lse)
+    max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
+              else block_table.shape[1] * kv_cache.shape[1])
+    if schedule is None:
+        schedule = attention_schedule(batch, max(1, tokens // batch), heads, max_kv, total_q_tokens=tokens,
+                                      device=device, arch=arch)
+    params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
+                               cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule,
+                               workspace_ptr=_workspace(workspace, schedule, device))
+    _launch_attention(q, params, kv_cache, block_table, arch)
+    return out, lse
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+                 out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """Merges two attention states over disjoint key sets -> (out, lse).
+
+    out_* [..., D] (fp16/bf16/fp32, last dim contiguous), lse_* [...] float32 natural log; a side with
+    lse -inf counts for nothing, and both -inf give out 0, lse -inf. Reference: reference.merge_states.
+    """
+    _tensor("out_a", out_a, dtypes=_DTYPES, last_contiguous=True)
+    _tensor("out_b", out_b, dtype=out_a.dtype, last_contiguous=True)
+    for name, t, o in (("lse_a", lse_a, out_a), ("lse_b", lse_b, out_b)):
+        _tensor(name, t, dtype=torch.float32, contiguous=True)
+        if tuple(t.shape) != tuple(o.shape[:-1]):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} must be out's without the last dim "
+                             f"{tuple(o.shape[:-1])}")
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_b: shape {tuple(out_b.shape)} differs from out_a's {tuple(out_a.shape)}")
+    device = _same_device(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    out = _result_tensor("out", out, out_a.shape, out_a.dtype, device)
+    lse = _result_tensor("lse", lse, lse_a.shape, torch.float32, device)
+    if device.type != "cuda":
+        ref_out, ref_lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
+        return out.copy_(ref_out), lse.copy_(ref_lse)
+    _kernel_arch(device, torch.float16, None)
+    rows = lse_a.numel()
+    views = []
+    for name, t in (("out_a", out_a), ("out_b", out_b), ("out", out)):
+        try:
+            views.append(t.view(rows, t.shape[-1]) if t.dim() != 2 else t)
+        except RuntimeError:
+            raise ValueError(f"{name}: its leading dims must flatten to rows (got strides {t.stride()})") from None
+    if not lse.is_contiguous():
+        raise ValueError("lse: must be contiguous")
+    a, b, o = views
+    with torch.cuda.device(device):
+        _C.merge_states(_c_dtype(out_a.dtype), rows, out_a.shape[-1], a.data_ptr(), a.stride(0), lse_a.data_ptr(),
+                        b.data_ptr(), b.stride(0), lse_b.data_ptr(), o.data_ptr(), o.stride(0), lse.data_ptr(),
+                        _stream(device))
+    return out, lse

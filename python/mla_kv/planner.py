@@ -159,6 +159,8 @@ def load_model(name_or_path: str) -> Model:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
+        if os.sep in name_or_path or name_or_path.endswith(".json"):
+            raise ValueError(f"model config {name_or_path}: no such file or directory")
         raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(MODELS)}) "
                          "nor a config.json file or a directory holding one")
     try:

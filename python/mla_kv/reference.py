@@ -86,3 +86,8 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
     write_kv(kv_c, k_pe, kv_cache, slot_mapping)
     if q is not None:
         q[:t, :, -ROPE_DIM:] = apply_rope(q[:t, :, -ROPE_DIM:], pos, cos_sin_cache, rope_style)
+
+
+# The attention ops' specification lives in its own module; it is part of this one's API.
+from .reference_attention import (  # noqa: E402,F401
+    decode, decode_blocks, gather_kv, gather_kv_blocks, merge_states, prefill, prefill_blocks)

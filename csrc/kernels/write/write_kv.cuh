@@ -66,29 +66,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
     if (t >= p.num_tokens) return;
 
+    // Every independent load first (input row, weight, slot, position): a token then costs one
+    // memory round trip, not a chain of them. Inputs are read even for skipped rows; they exist.
+    const T* src_c = static_cast<const T*>(p.kv_c) + t * p.kv_c_stride;
+    const T* src_pe = static_cast<const T*>(p.k_pe) + t * p.k_pe_stride;
+    arch::Vec<T, N> lat[kLatentVecsPerLane];
+#pragma unroll
+    for (int i = 0; i < kLatentVecsPerLane; ++i)
+      lat[i] = arch::load_stream<A, T, N>(src_c + (i * 32 + lane) * N);
+    arch::Vec<T, N> pe_a, pe_b;
+    if (lane < kPairVecs) {
+      pe_a = arch::load_stream<A, T, N>(src_pe + lane * N);
+      pe_b = arch::load_stream<A, T, N>(src_pe + (lane + kPairVecs) * N);
+    }
+    arch::Vec<T, N> weight[kLatentVecsPerLane];
+    int64_t pos = 0;
+    if constexpr (kFused) {
+      const T* w = static_cast<const T*>(p.rms_weight);
+#pragma unroll
+      for (int i = 0; i < kLatentVecsPerLane; ++i) weight[i] = arch::load_cached<T, N>(w + (i * 32 + lane) * N);
+      pos = p.positions[t];
+    }
+    char* row = rows.row(t);
+
     const CosT* cos_sin = nullptr;
     if constexpr (kFused) {
-      const int64_t pos = p.positions[t];
       if (pos < 0 || pos >= p.max_position) return;  // validated on the host; never read out of bounds
       cos_sin = static_cast<const CosT*>(p.cos_sin) + pos * kRopeDim;
     }
 
-    char* row = rows.row(t);
     if (row != nullptr) {
-      const T* src_c = static_cast<const T*>(p.kv_c) + t * p.kv_c_stride;
-      const T* src_pe = static_cast<const T*>(p.k_pe) + t * p.k_pe_stride;
-
-      // Issue every load of the row before any math.
-      arch::Vec<T, N> lat[kLatentVecsPerLane];
-#pragma unroll
-      for (int i = 0; i < kLatentVecsPerLane; ++i)
-        lat[i] = arch::load_stream<A, T, N>(src_c + (i * 32 + lane) * N);
-      arch::Vec<T, N> pe_a, pe_b;
-      if (lane < kPairVecs) {
-        pe_a = arch::load_stream<A, T, N>(src_pe + lane * N);
-        pe_b = arch::load_stream<A, T, N>(src_pe + (lane + kPairVecs) * N);
-      }
-
       if constexpr (kFused) {
         float sumsq = 0.f;
 #pragma unroll
@@ -99,15 +106,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
             sumsq += x * x;
           }
         const float inv_rms = rsqrtf(warp_sum(sumsq) / kLatentDim + p.rms_eps);
-        const T* w = static_cast<const T*>(p.rms_weight);
 #pragma unroll
-        for (int i = 0; i < kLatentVecsPerLane; ++i) {
-          const arch::Vec<T, N> wv = arch::load_cached<T, N>(w + (i * 32 + lane) * N);
+        for (int i = 0; i < kLatentVecsPerLane; ++i)
 #pragma unroll
           for (int k = 0; k < N; ++k)
             lat[i].v[k] = arch::from_float<T>(arch::to_float(lat[i].v[k]) * inv_rms *
-                                              arch::to_float(wv.v[k]));
-        }
+                                              arch::to_float(weight[i].v[k]));
         if (lane < kPairVecs) rotate_pair<T, CosT, N>(pe_a, pe_b, lane, cos_sin, p.rope_style);
       }
 

@@ -1,0 +1,123 @@
+"""Shared benchmark helpers: CUDA-event timing of graph replays, and the ceilings measured in the
+same run (device copy bandwidth, tensor-core throughput) that every table is reported against."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from typing import Callable, List
+
+import torch
+
+
+def time_graph(fn: Callable[[int], None], variants: int, calls: int = 20, samples: int = 21,
+               warmup: int = 3) -> float:
+    """Median seconds per call of fn(i), i cycling over ``variants`` input sets.
+
+    The calls are captured in one CUDA graph (so Python and launch overhead stay out, and the op is
+    shown to be graph-safe) and the graph is replayed ``samples`` times between CUDA events.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i % variants)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % variants)
+    graph.replay()
+    torch.cuda.synchronize()
+    times: List[float] = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_eager(fn: Callable[[int], None], variants: int, calls: int = 10, samples: int = 21,
+               warmup: int = 3) -> float:
+    """Like time_graph for code that cannot be captured (torch-native peers with host syncs)."""
+    for i in range(warmup):
+        fn(i % variants)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i % variants)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def variants_for(bytes_per_set: int, l2_bytes: int = 60 << 20, cap: int = 64) -> int:
+    """Input sets to rotate among so that their total is several times the L2 (not cache-resident)."""
+    return max(2, min(cap, math.ceil(4 * l2_bytes / max(bytes_per_set, 1))))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_eager(lambda i: dst.copy_(src), 1, calls=5)
+    return 2 * nbytes / t
+
+
+def print_table(rows: List[dict], columns: List[str], out=sys.stdout) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print(" | ".join(c.rjust(w) for c, w in zip(columns, widths)), file=out)
+    print("-|-".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print(" | ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)), file=out)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    return str(v)
+
+
+def write_json(path: str, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+def device_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sm_count": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__}
+
+
+def mma_ceiling(dtype: torch.dtype, arch=None) -> float:
+    """FLOP/s of the attention kernels' warp-level tensor-core tile (mma.sync) on this GPU."""
+    from mla_kv import ops
+
+    c = ops._C
+    tag = ops._kernel_arch(torch.device("cuda", torch.cuda.current_device()), dtype, arch)
+    blocks = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    ctype = ops._c_dtype(dtype)
+    c.mma_throughput(tag, ctype, blocks, 100, stream)  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        flops = c.mma_throughput(tag, ctype, blocks, 20000, stream)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return flops / statistics.median(times)

@@ -1,0 +1,80 @@
+// Attention over the latent cache in the absorbed form (decode, multi-token decode, prefill).
+//
+// Per sequence b, its q_len_b query tokens are the last q_len_b of its kv_len_b cache positions;
+// query token s attends to positions < kv_len_b - q_len_b + s + 1 (causal) or to all kv_len_b.
+// score(h, j) = softmax_scale * (q_lat[h] . c_kv[j] + q_pe[h] . k_pe[j]); out[h] = softmax . c_kv,
+// lse = natural log of the softmax denominator (of the scaled scores). A query that sees no key
+// gets out = 0 and lse = -inf. Reference: python/mla_kv/reference_attention.py (decode, prefill).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "mla_kv/arch.h"
+#include "mla_kv/layout.h"
+
+namespace mla_kv {
+
+struct AttentionParams {
+  DType dtype;        // of q, out and the cache
+  int batch;
+  int num_heads;
+  // Query tokens: uniform q_len per sequence (decode: q [B, q_len, H, 576]) when cu_q_lens is
+  // null, else packed (prefill: q [T, H, 576], sequence b owns tokens cu_q_lens[b]..cu_q_lens[b+1]).
+  int q_len;               // uniform q_len, or the largest q_len_b when packed (sizes the grid)
+  const int* cu_q_lens;    // device [batch + 1] or nullptr
+  int64_t total_q_tokens;  // batch * q_len (uniform) or T (packed)
+  const int* kv_lens;      // device [batch]
+  bool causal;
+  float softmax_scale;
+  // Row (b, token, h) of q / out / lse: ptr + b * stride_b + token * stride_t + h * stride_h, where
+  // token counts within the sequence (uniform) or globally (packed; stride_b unused). Elements.
+  const void* q;
+  int64_t q_stride_b, q_stride_t, q_stride_h;
+  void* out;
+  int64_t out_stride_b, out_stride_t, out_stride_h;
+  float* lse;
+  int64_t lse_stride_b, lse_stride_t, lse_stride_h;
+  // KV split: CTA split i covers positions [i * tokens_per_split, (i + 1) * tokens_per_split).
+  int num_splits;
+  int tokens_per_split;
+  void* workspace;  // attention_workspace_size() bytes when num_splits > 1
+};
+
+// A plan computed on the host from sizes only (no device data), so it can be made outside a graph.
+struct AttentionSchedule {
+  int num_splits;  // CTAs per (sequence, head block) along the KV
+  int tokens_per_split;
+};
+
+// max_kv_len: an upper bound of every kv_len (e.g. block_table width * block_size).
+AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
+                                          int sm_count, Arch arch);
+
+// Bytes of workspace a launch with these sizes needs (0 when num_splits == 1).
+size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);
+
+// Paged tensor cache: position j of sequence b is in block block_table[b * block_table_stride +
+// j / block_size], for j / block_size < max_blocks (rows past the table read as zeros).
+Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
+                            int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream);
+
+// TurboMind block pointers: positions of sequence b are in block_ptrs[cu_block_nums[b] + i].
+Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache, Arch arch,
+                             cudaStream_t stream);
+
+// out = merge of two partial attention states over disjoint key sets, by their lse (natural log):
+// rows [num_rows, dim] with row strides (elements); lse [num_rows] contiguous fp32.
+struct MergeParams {
+  DType dtype;  // of the outs
+  int64_t num_rows;
+  int dim;
+  const void* out_a; int64_t out_a_stride; const float* lse_a;
+  const void* out_b; int64_t out_b_stride; const float* lse_b;
+  void* out; int64_t out_stride; float* lse;  // lse may be nullptr
+};
+Status invokeMergeStates(const MergeParams& params, cudaStream_t stream);
+
+}  // namespace mla_kv

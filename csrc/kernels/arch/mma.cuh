@@ -1,0 +1,174 @@
+// Warp-level tensor-core tile per arch tag: C[16x16] (fp32) += A[16x16] * B[16x16] from shared memory.
+//
+// One shape for every arch keeps the attention kernels arch-free; each tag maps it onto its own
+// instruction: Sm80 two mma.m16n8k16 (fp16/bf16), Sm75 four mma.m16n8k8 (fp16), Sm70 four
+// mma.m8n8k4 (fp16; each of the warp's four quad-pairs computes one 8x8 quarter of the tile).
+// Fragments are loaded with plain shared-memory loads (no ldmatrix), so the Sm70 path uses nothing
+// Volta lacks. acc_row/acc_col say where accumulator element i of a lane sits in the tile, so
+// softmax and epilogues are written once for all tags.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "arch.cuh"
+
+namespace mla_kv {
+namespace arch {
+
+__device__ __forceinline__ uint32_t pack2(const void* lo, const void* hi) {
+  return uint32_t(*static_cast<const uint16_t*>(lo)) | (uint32_t(*static_cast<const uint16_t*>(hi)) << 16);
+}
+
+template <class A, class T>
+struct WarpMma16;
+
+// ---------------------------------------------------------------- Sm80 / Sm75 (same fragments)
+// Thread (g = lane / 4, t = lane % 4). A regs: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..).
+// B regs per 8-column half: (k 2t..2t+1, n g), (k 2t+8.., n g). C: (g, 2t..2t+1), (g+8, 2t..).
+template <class T>
+struct Sm8xFragments {
+  static constexpr int kAccs = 8;
+  uint32_t a[4];
+  uint32_t b[2][2];  // [n half][k half]
+
+  // A stored [m][k] (k contiguous), leading dim ld elements.
+  __device__ __forceinline__ void load_a(const T* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    a[0] = *reinterpret_cast<const uint32_t*>(s + g * ld + 2 * t);
+    a[1] = *reinterpret_cast<const uint32_t*>(s + (g + 8) * ld + 2 * t);
+    a[2] = *reinterpret_cast<const uint32_t*>(s + g * ld + 2 * t + 8);
+    a[3] = *reinterpret_cast<const uint32_t*>(s + (g + 8) * ld + 2 * t + 8);
+  }
+  // B stored [n][k] (k contiguous): the K^T operand of Q.K^T.
+  __device__ __forceinline__ void load_b_nk(const T* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      b[h][0] = *reinterpret_cast<const uint32_t*>(s + (h * 8 + g) * ld + 2 * t);
+      b[h][1] = *reinterpret_cast<const uint32_t*>(s + (h * 8 + g) * ld + 2 * t + 8);
+    }
+  }
+  // B stored [k][n] (n contiguous): the V operand of P.V.
+  __device__ __forceinline__ void load_b_kn(const T* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const T* col = s + h * 8 + g;
+      b[h][0] = pack2(col + (2 * t) * ld, col + (2 * t + 1) * ld);
+      b[h][1] = pack2(col + (2 * t + 8) * ld, col + (2 * t + 9) * ld);
+    }
+  }
+  __device__ __forceinline__ static int acc_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
+  __device__ __forceinline__ static int acc_col(int lane, int i) { return (i >> 2) * 8 + 2 * (lane & 3) + (i & 1); }
+};
+
+template <class T>
+struct WarpMma16<Sm80, T> : Sm8xFragments<T> {
+  __device__ __forceinline__ void mma(float (&c)[8]) const {
+    constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* d = c + 4 * h;
+      if constexpr (kBf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(this->a[0]), "r"(this->a[1]), "r"(this->a[2]), "r"(this->a[3]), "r"(this->b[h][0]),
+              "r"(this->b[h][1]));
+      } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(this->a[0]), "r"(this->a[1]), "r"(this->a[2]), "r"(this->a[3]), "r"(this->b[h][0]),
+              "r"(this->b[h][1]));
+      }
+    }
+  }
+};
+
+template <>
+struct WarpMma16<Sm75, __half> : Sm8xFragments<__half> {
+  __device__ __forceinline__ void mma(float (&c)[8]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* d = c + 4 * h;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[2 * k]), "r"(a[2 * k + 1]), "r"(b[h][k]));
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------- Sm70
+// Quad-pair q = (lane / 4) % 4 computes the 8x8 quarter (rows (q & 1) * 8.., cols (q >> 1) * 8..).
+// Within it, lane's A row and B column are r = lane % 4 + 4 * (lane >= 16), each holding 4 k values
+// per m8n8k4; accumulator i sits at row (lane & 1) + (i & 2) + 4 * (lane >= 16), col (i & 4) +
+// (lane & 2) + (i & 1).
+template <>
+struct WarpMma16<Sm70, __half> {
+  static constexpr int kAccs = 8;
+  uint32_t a[4][2];  // [k step of 4][2 x f16x2]
+  uint32_t b[4][2];
+
+  __device__ __forceinline__ static int quad_pair(int lane) { return (lane >> 2) & 3; }
+  __device__ __forceinline__ static int own_index(int lane) { return (lane & 3) + ((lane >> 4) << 2); }
+
+  __device__ __forceinline__ void load_a(const __half* s, int ld, int lane) {
+    const int q = quad_pair(lane);
+    const __half* row = s + ((q & 1) * 8 + own_index(lane)) * ld;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * k);
+      a[k][0] = v.x;
+      a[k][1] = v.y;
+    }
+  }
+  __device__ __forceinline__ void load_b_nk(const __half* s, int ld, int lane) {
+    const int q = quad_pair(lane);
+    const __half* col = s + ((q >> 1) * 8 + own_index(lane)) * ld;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint2 v = *reinterpret_cast<const uint2*>(col + 4 * k);
+      b[k][0] = v.x;
+      b[k][1] = v.y;
+    }
+  }
+  __device__ __forceinline__ void load_b_kn(const __half* s, int ld, int lane) {
+    const int q = quad_pair(lane);
+    const __half* col = s + (q >> 1) * 8 + own_index(lane);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      b[k][0] = pack2(col + (4 * k) * ld, col + (4 * k + 1) * ld);
+      b[k][1] = pack2(col + (4 * k + 2) * ld, col + (4 * k + 3) * ld);
+    }
+  }
+  __device__ __forceinline__ void mma(float (&c)[8]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      asm volatile(
+          "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
+          "{%0,%1,%2,%3,%4,%5,%6,%7};"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
+          : "r"(a[k][0]), "r"(a[k][1]), "r"(b[k][0]), "r"(b[k][1]));
+    }
+  }
+  __device__ __forceinline__ static int acc_row(int lane, int i) {
+    return (quad_pair(lane) & 1) * 8 + (lane & 1) + (i & 2) + ((lane >> 4) << 2);
+  }
+  __device__ __forceinline__ static int acc_col(int lane, int i) {
+    return (quad_pair(lane) >> 1) * 8 + (i & 4) + (lane & 2) + (i & 1);
+  }
+};
+
+}  // namespace arch
+}  // namespace mla_kv

@@ -1,0 +1,88 @@
+// invokeAttention*: schedule, arch/dtype dispatch, and the merge of two attention states.
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../arch/arch.cuh"
+#include "attention_launch.h"
+
+namespace mla_kv {
+namespace {
+
+constexpr int kMinTokensPerSplit = 256;
+constexpr int kTileTokens = 32;  // attention_detail::kBlockN
+
+int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
+
+int block_m_for(int rows, Arch arch) {
+  if (rows <= 16) return 16;
+  // Volta's 96 KB of shared memory holds a 32-row Q tile next to the KV tile, not a 64-row one.
+  if (rows <= 32 || arch == Arch::kSm70) return 32;
+  return 64;
+}
+
+int grid_x_for(const AttentionParams& p, int block_m) {
+  if (p.cu_q_lens == nullptr) return p.batch * ceil_div(int64_t(p.q_len) * p.num_heads, block_m);
+  // Packed: each sequence rounds its rows up to whole CTAs; this bounds the sum.
+  return ceil_div(p.total_q_tokens * p.num_heads, block_m) + p.batch;
+}
+
+template <class Rows>
+Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
+  if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
+  if (p.num_splits < 1 || p.tokens_per_split < 1 || (p.num_splits > 1 && p.workspace == nullptr))
+    return Status::kInvalidArgument;
+  const Arch tag = resolve_arch(arch, device_compute_capability());
+  if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  if (p.batch == 0 || p.total_q_tokens == 0) return Status::kOk;
+  const int rows_per_seq = p.q_len * p.num_heads;
+  const int block_m = block_m_for(rows_per_seq, tag);
+  const int grid_x = grid_x_for(p, block_m);
+  using namespace attention_detail;
+  if (p.dtype == DType::kBFloat16) {
+    if (tag != Arch::kSm80) return Status::kUnsupportedDType;
+    return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, block_m, grid_x, stream);
+  }
+  switch (tag) {
+    case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, block_m, grid_x, stream);
+    case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, block_m, grid_x, stream);
+    default: return launch_attention<arch::Sm80, __half>(p, rows, block_m, grid_x, stream);
+  }
+}
+
+}  // namespace
+
+AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
+                                          int sm_count, Arch arch) {
+  const int block_m = block_m_for(q_len * num_heads, arch);
+  const int64_t ctas = int64_t(batch) * ceil_div(int64_t(q_len) * num_heads, block_m);
+  // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU; keep each split
+  // long enough that the combine stays a small fraction of the work.
+  int splits = 1;
+  if (ctas < sm_count && max_kv_len > kMinTokensPerSplit) {
+    const int want = ceil_div(sm_count, ctas);
+    splits = std::max(1, std::min(want, ceil_div(max_kv_len, kMinTokensPerSplit)));
+  }
+  int tokens = ceil_div(std::max<int64_t>(max_kv_len, 1), splits);
+  tokens = ceil_div(tokens, kTileTokens) * kTileTokens;
+  return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens};
+}
+
+size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits) {
+  if (num_splits <= 1) return 0;
+  return size_t(num_splits) * size_t(total_q_tokens) * num_heads * (kLatentDim + 1) * sizeof(float);
+}
+
+Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
+                            int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
+  const PagedTableRows rows{cache, block_table, block_table_stride, max_blocks};
+  return dispatch(params, rows, arch, stream);
+}
+
+Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache, Arch arch,
+                             cudaStream_t stream) {
+  return dispatch(params, BlockPointerTableRows{cache}, arch, stream);
+}
+
+}  // namespace mla_kv

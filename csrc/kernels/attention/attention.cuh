@@ -1,0 +1,363 @@
+// Absorbed MLA attention over the latent cache, one kernel for decode, multi-token decode and
+// prefill. A CTA owns up to kBlockM query rows (row = (query token, head)) of one sequence and one KV
+// split. Each KV tile of kBlockN cache rows is read from memory once into shared memory and used by
+// all of the CTA's rows for both products, so decode reads the latent once per sequence for all
+// heads (up to 64 rows per CTA) instead of once per head.
+//
+// Per tile: S = Q.K^T (576-d) on tensor cores -> online softmax in fp32 (log2 domain) -> P (in the
+// input dtype) -> O += P.V with V = the tile's 512 latent columns. The next tile's global loads are
+// issued into registers before the current tile's math, so memory and math overlap on every arch
+// without cp.async (which Volta lacks).
+// Reference: python/mla_kv/reference_attention.py (decode, prefill).
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "../arch/arch.cuh"
+#include "../arch/mma.cuh"
+#include "../address.cuh"
+#include "mla_kv/attention.h"
+
+namespace mla_kv {
+namespace attention_detail {
+
+constexpr int kBlockN = 32;                 // cache rows per tile
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kPitch = kRowDim + 8;         // smem row pitch (elements): rows shift 4 banks
+constexpr int kScorePitch = kBlockN + 4;    // fp32 score row pitch
+constexpr int kProbPitch = kBlockN + 8;     // P row pitch (elements)
+constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
+constexpr int kTileVecsPerThread = kBlockN * kVecsPerRow / kThreads;  // 9
+static_assert(kBlockN * kVecsPerRow % kThreads == 0, "tile load split");
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kBlockM>
+struct SmemLayout {
+  static constexpr int kTilesM = kBlockM / 16;
+  static constexpr int kSplitK = kWarps / (kTilesM * 2);  // warps sharing one 16x16 score tile
+  static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
+  static constexpr size_t kKv = size_t(kBlockN) * kPitch * 2;
+  static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
+  static constexpr size_t kProbs = size_t(kBlockM) * kProbPitch * 2;
+  static constexpr size_t kRowStats = size_t(kBlockM) * 4;
+  static constexpr size_t kBytes = kQ + kKv + kScores + kProbs + 3 * kRowStats;
+};
+
+// Which sequence, query rows and kv range a CTA owns.
+struct Work {
+  int b;
+  int row0;     // first (token, head) row of the sequence handled by this CTA
+  int q_len;    // query tokens of the sequence
+  int64_t token_base;  // flat token index of the sequence's first query token
+  int kv_len;
+  int kv_lo, kv_hi;    // this CTA's kv positions
+};
+
+template <int kBlockM>
+__device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
+  const int bx = blockIdx.x;
+  if (p.cu_q_lens == nullptr) {
+    const int per_seq = (p.q_len * p.num_heads + kBlockM - 1) / kBlockM;
+    w.b = bx / per_seq;
+    if (w.b >= p.batch) return false;
+    w.row0 = (bx - w.b * per_seq) * kBlockM;
+    w.q_len = p.q_len;
+    w.token_base = int64_t(w.b) * p.q_len;
+  } else {
+    // Packed sequences: CTAs are handed out in sequence order, ceil(q_len_b * H / kBlockM) each.
+    int first = 0, b = 0;
+    for (; b < p.batch; ++b) {
+      const int n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;
+      if (bx < first + n) break;
+      first += n;
+    }
+    if (b == p.batch) return false;
+    w.b = b;
+    w.row0 = (bx - first) * kBlockM;
+    w.q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
+    w.token_base = p.cu_q_lens[b];
+  }
+  w.kv_len = p.kv_lens[w.b];
+  const int last_row = min(w.row0 + kBlockM, w.q_len * p.num_heads) - 1;
+  const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;
+  w.kv_lo = blockIdx.y * p.tokens_per_split;
+  w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);
+  return true;
+}
+
+template <class A, class T, int kBlockM, class Rows>
+__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionParams p, const Rows rows) {
+  if constexpr (arch::target_supports<A>()) {
+    using L = SmemLayout<kBlockM>;
+    using Mma = arch::WarpMma16<A, T>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* kv_s = reinterpret_cast<T*>(smem + L::kQ);
+    float* score_s = reinterpret_cast<float*>(smem + L::kQ + L::kKv);
+    T* prob_s = reinterpret_cast<T*>(smem + L::kQ + L::kKv + L::kScores);
+    float* alpha_s = reinterpret_cast<float*>(smem + L::kQ + L::kKv + L::kScores + L::kProbs);
+    float* max_s = alpha_s + kBlockM;
+    float* sum_s = max_s + kBlockM;
+
+    Work w;
+    if (!find_work<kBlockM>(p, w)) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rows_here = min(kBlockM, w.q_len * p.num_heads - w.row0);
+
+    // Q rows -> smem (zero rows past the sequence's last row).
+    for (int v = tid; v < kBlockM * kVecsPerRow; v += kThreads) {
+      const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
+      int4 val = make_int4(0, 0, 0, 0);
+      if (r < rows_here) {
+        const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
+        const T* src = static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
+                       (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
+        val = *reinterpret_cast<const int4*>(src + c * 8);
+      }
+      *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = val;
+    }
+
+    // The tile's cache rows, issued into registers one tile ahead.
+    int4 pending[kTileVecsPerThread];
+    auto fetch = [&](int j0) {
+#pragma unroll
+      for (int i = 0; i < kTileVecsPerThread; ++i) {
+        const int v = tid + i * kThreads, r = v / kVecsPerRow, c = v - r * kVecsPerRow;
+        const int pos = j0 + r;
+        pending[i] = make_int4(0, 0, 0, 0);
+        const T* row = pos < w.kv_hi ? reinterpret_cast<const T*>(rows.row(w.b, pos)) : nullptr;
+        if (row != nullptr) {
+          const arch::Vec<T, 8> v = arch::load_stream<A, T, 8>(row + c * 8);
+          pending[i] = *reinterpret_cast<const int4*>(&v);
+        }
+      }
+    };
+    auto stash = [&]() {
+#pragma unroll
+      for (int i = 0; i < kTileVecsPerThread; ++i) {
+        const int v = tid + i * kThreads, r = v / kVecsPerRow, c = v - r * kVecsPerRow;
+        *reinterpret_cast<int4*>(kv_s + r * kPitch + canonical_column(rows.cache.row, c * 8)) = pending[i];
+      }
+    };
+
+    // Softmax ownership: consecutive lanes share a row.
+    constexpr int kRowThreads = kThreads / kBlockM;
+    constexpr int kRowCols = kBlockN / kRowThreads;
+    const int my_row = tid / kRowThreads, my_col0 = (tid % kRowThreads) * kRowCols;
+    int row_limit = -1;  // kv positions < row_limit are visible to my_row
+    if (my_row < rows_here) {
+      const int s = (w.row0 + my_row) / p.num_heads;
+      row_limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);
+    }
+    float row_max = -INFINITY, row_sum = 0.f;
+    const float scale_log2 = p.softmax_scale * kLog2e;
+
+    // Output accumulators: warp owns 64 latent columns of every row.
+    constexpr int kTilesN = kLatentDim / kWarps / 16;  // 4
+    float acc[L::kTilesM][kTilesN][8];
+#pragma unroll
+    for (int mt = 0; mt < L::kTilesM; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kTilesN; ++nt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[mt][nt][i] = 0.f;
+
+    // Score tile owned by this warp in Q.K^T, and its slice of the 576-d contraction.
+    const int score_tile = warp % (L::kTilesM * 2), ks = warp / (L::kTilesM * 2);
+    const int st_m = (score_tile >> 1) * 16, st_n = (score_tile & 1) * 16;
+    constexpr int kKSlice = kRowDim / L::kSplitK;
+    static_assert(kKSlice % 16 == 0, "k slice");
+
+    if (w.kv_lo < w.kv_hi) fetch(w.kv_lo);
+    for (int j0 = w.kv_lo; j0 < w.kv_hi; j0 += kBlockN) {
+      stash();
+      __syncthreads();  // kv tile (and, first time, q) visible
+      if (j0 + kBlockN < w.kv_hi) fetch(j0 + kBlockN);
+
+      {  // S = Q.K^T partial over this warp's k slice
+        float s_acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        Mma mma;
+#pragma unroll 4
+        for (int k = ks * kKSlice; k < (ks + 1) * kKSlice; k += 16) {
+          mma.load_a(q_s + st_m * kPitch + k, kPitch, lane);
+          mma.load_b_nk(kv_s + st_n * kPitch + k, kPitch, lane);
+          mma.mma(s_acc);
+        }
+        float* out_s = score_s + ks * kBlockM * kScorePitch;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          out_s[(st_m + Mma::acc_row(lane, i)) * kScorePitch + st_n + Mma::acc_col(lane, i)] = s_acc[i];
+      }
+      __syncthreads();
+
+      {  // online softmax of my row's columns
+        float sc[kRowCols];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < kRowCols; ++c) {
+          float s = 0.f;
+#pragma unroll
+          for (int part = 0; part < L::kSplitK; ++part)
+            s += score_s[(part * kBlockM + my_row) * kScorePitch + my_col0 + c];
+          s = (j0 + my_col0 + c < row_limit) ? s * scale_log2 : -INFINITY;
+          sc[c] = s;
+          tile_max = fmaxf(tile_max, s);
+        }
+#pragma unroll
+        for (int m = kRowThreads / 2; m > 0; m >>= 1)
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
+        const float new_max = fmaxf(row_max, tile_max);
+        const float alpha = new_max == -INFINITY ? 1.f : exp2f(row_max - new_max);
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < kRowCols; ++c) {
+          const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
+          const T pt = arch::from_float<T>(pr);
+          tile_sum += arch::to_float(pt);  // the sum matches the rounded P used in P.V
+          prob_s[my_row * kProbPitch + my_col0 + c] = pt;
+        }
+#pragma unroll
+        for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
+        row_sum = row_sum * alpha + tile_sum;
+        row_max = new_max;
+        if (my_col0 == 0) alpha_s[my_row] = alpha;
+      }
+      __syncthreads();
+
+      {  // O = O * alpha + P.V
+        Mma mma;
+#pragma unroll
+        for (int mt = 0; mt < L::kTilesM; ++mt)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
+#pragma unroll
+            for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
+          }
+        const int col0 = warp * (kLatentDim / kWarps);
+#pragma unroll
+        for (int k = 0; k < kBlockN; k += 16)
+#pragma unroll
+          for (int nt = 0; nt < kTilesN; ++nt) {
+            mma.load_b_kn(kv_s + k * kPitch + col0 + nt * 16, kPitch, lane);
+#pragma unroll
+            for (int mt = 0; mt < L::kTilesM; ++mt) {
+              mma.load_a(prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
+              mma.mma(acc[mt][nt]);
+            }
+          }
+      }
+      __syncthreads();  // kv_s and prob_s are rewritten next tile
+    }
+
+    // Epilogue: normalize, then write out/lse (one split) or the partial state (several).
+    if (my_col0 == 0) {
+      max_s[my_row] = row_max;
+      sum_s[my_row] = row_sum;
+    }
+    __syncthreads();
+    const bool split = p.num_splits > 1;
+    const int64_t total_rows = p.total_q_tokens * p.num_heads;
+    const int col0 = warp * (kLatentDim / kWarps);
+#pragma unroll
+    for (int mt = 0; mt < L::kTilesM; ++mt)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = mt * 16 + Mma::acc_row(lane, i);
+        if (r >= rows_here) continue;
+        const float l = sum_s[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
+        const int64_t flat = (w.token_base + s) * p.num_heads + h;
+#pragma unroll
+        for (int nt = 0; nt < kTilesN; ++nt) {
+          const int col = col0 + nt * 16 + Mma::acc_col(lane, i);
+          const float o = acc[mt][nt][i] * inv;
+          if (split) {
+            static_cast<float*>(p.workspace)[(blockIdx.y * total_rows + flat) * kLatentDim + col] = o;
+          } else {
+            T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b * (p.cu_q_lens == nullptr) +
+                     (w.token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h;
+            dst[col] = arch::from_float<T>(o);
+          }
+        }
+      }
+    if (tid < rows_here) {
+      const float l = sum_s[tid];
+      const float lse = l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;
+      const int row = w.row0 + tid, s = row / p.num_heads, h = row - s * p.num_heads;
+      if (split) {
+        float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
+        ws_lse[blockIdx.y * total_rows + (w.token_base + s) * p.num_heads + h] = lse;
+      } else {
+        p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
+              (w.token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
+      }
+    }
+  } else {
+    __trap();  // the host never launches a tag the compiled target cannot run
+  }
+}
+
+// Merges the per-split partial states of the workspace into out / lse: one warp per row.
+template <class T>
+__global__ void combine_splits_kernel(const AttentionParams p) {
+  const int64_t total_rows = p.total_q_tokens * p.num_heads;
+  const int64_t flat = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (flat >= total_rows) return;
+  const int lane = threadIdx.x & 31;
+  const float* parts = static_cast<const float*>(p.workspace);
+  const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
+  float max_lse = -INFINITY;
+  for (int i = 0; i < p.num_splits; ++i) max_lse = fmaxf(max_lse, lses[i * total_rows + flat]);
+  float o[kLatentDim / 32] = {};
+  float denom = 0.f;
+  if (max_lse != -INFINITY) {
+    for (int i = 0; i < p.num_splits; ++i) {
+      const float wgt = __expf(lses[i * total_rows + flat] - max_lse);
+      if (wgt == 0.f) continue;
+      denom += wgt;
+      const float* src = parts + (i * total_rows + flat) * kLatentDim;
+#pragma unroll
+      for (int c = 0; c < kLatentDim / 32; ++c) o[c] += wgt * src[c * 32 + lane];
+    }
+  }
+  const int64_t token = flat / p.num_heads;
+  const int h = int(flat - token * p.num_heads);
+  int64_t b = 0, t = token;
+  if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
+  const float inv = denom > 0.f ? 1.f / denom : 0.f;
+#pragma unroll
+  for (int c = 0; c < kLatentDim / 32; ++c) dst[c * 32 + lane] = arch::from_float<T>(o[c] * inv);
+  if (lane == 0)
+    p.lse[b * p.lse_stride_b + t * p.lse_stride_t + int64_t(h) * p.lse_stride_h] =
+        denom > 0.f ? max_lse + logf(denom) : -INFINITY;
+}
+
+template <class A, class T, class Rows>
+Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream) {
+  auto go = [&](auto kernel, size_t smem) {
+    if (smem > 48 * 1024 &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+      return Status::kCudaError;
+    kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
+    return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+  };
+  Status s;
+  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<16>::kBytes);
+  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<32>::kBytes);
+  else s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<64>::kBytes);
+  if (s != Status::kOk || p.num_splits == 1) return s;
+  const int64_t total_rows = p.total_q_tokens * p.num_heads;
+  constexpr int kRowsPerBlock = 4;
+  combine_splits_kernel<T><<<unsigned((total_rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowsPerBlock * 32, 0,
+                             stream>>>(p);
+  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+}
+
+}  // namespace attention_detail
+}  // namespace mla_kv

@@ -1,0 +1,21 @@
+// Declarations of the per-arch attention launchers; explicit instantiations live in one .cu per
+// (arch tag, dtype) so the builds run in parallel.
+#pragma once
+
+#include "../address.cuh"
+#include "mla_kv/attention.h"
+
+namespace mla_kv {
+namespace attention_detail {
+
+template <class A, class T, class Rows>
+Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream);
+
+}  // namespace attention_detail
+}  // namespace mla_kv
+
+#define MLA_KV_INSTANTIATE_ATTENTION(A, T)                                                                \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::PagedTableRows>(        \
+      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, int, cudaStream_t);             \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::BlockPointerTableRows>( \
+      const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, int, cudaStream_t);

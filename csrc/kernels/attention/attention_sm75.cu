@@ -1,0 +1,5 @@
+// Turing: mma.m16n8k8, fp16 attention variant.
+#include "attention.cuh"
+#include "attention_launch.h"
+
+MLA_KV_INSTANTIATE_ATTENTION(mla_kv::arch::Sm75, __half)

@@ -1,0 +1,299 @@
+"""The ``mla-kv`` command line.
+
+    mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--json] [--plot FILE.png]
+    mla-kv info
+    mla-kv bench [--quick]
+
+Bad arguments print one line to stderr and exit with code 2 (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from . import __version__, planner
+from .planner import GB, GiB
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports errors as one line ("mla-kv plan: error: ...") and exit code 2, without the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(minimum: float, *, inclusive: bool, maximum: float = math.inf):
+    """An argparse type: a finite float above (or at, if inclusive) minimum and at most maximum."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        low_ok = value >= minimum if inclusive else value > minimum
+        if not (math.isfinite(value) and low_ok and value <= maximum):
+            bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+            if maximum != math.inf:
+                bound += f" and <= {maximum:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="mla-kv", description="MLA latent KV cache: planner, build info, benchmarks.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser(
+        "plan", help="KV cache bytes per token and the context that fits, latent vs expanded layout",
+        description="KV cache bytes per token and the context that fits on a GPU. Memory accounting "
+                    "(per GPU): cache = ratio x (GPU memory - weights/tp - reserved), in whole blocks.")
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(planner.MODELS)}) or a local HF config.json / its directory")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="GPU preset (nominal memory)")
+    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False), metavar="GIB",
+                     help="GPU memory in GiB (default: the current CUDA GPU)")
+    p.add_argument("--weights-gb", type=_number(0, inclusive=True), required=True, metavar="GB",
+                   help="model weight size in GB (10^9 B), whole model; each GPU holds weights / tp")
+    p.add_argument("--ratio", type=_number(0, inclusive=False, maximum=1), default=planner.DEFAULT_RATIO,
+                   help="fraction of FREE memory (after weights and reserved) given to the cache "
+                        "(TurboMind cache_max_entry_count; default %(default)s)")
+    p.add_argument("--reserved-gib", type=_number(0, inclusive=True),
+                   default=planner.DEFAULT_RESERVED_BYTES / GiB, metavar="GIB",
+                   help="runtime memory taken before the cache is sized: CUDA context, workspaces, "
+                        "activations (default %(default)g)")
+    p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,
+                   help="tokens per cache block (default %(default)s)")
+    p.add_argument("--dtype", choices=list(planner.CACHE_DTYPES), default="fp16", help="cache dtype")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (splits heads)")
+    p.add_argument("--cp", type=_positive_int, default=1,
+                   help="context parallel size (splits tokens: multiplies the context that fits)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also cache the model's MTP layers (engines running MTP speculative decoding)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot the context that fits vs GPU memory (matplotlib)")
+    p.set_defaults(run=_plan, parser=p)
+
+    p = commands.add_parser("info", help="version, built CUDA archs and compiler, GPUs and kernel variants")
+    p.set_defaults(run=_info, parser=p)
+
+    p = commands.add_parser("bench", help="run the kernel benchmarks bench/bench_*.py (CUDA GPU only)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (passed to each script)")
+    p.set_defaults(run=_bench, parser=p)
+    return parser
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+def _gpu_memory(args) -> tuple:
+    """(label, bytes) of the GPU to plan for: --gpu-mem-gib, --gpu, else the current CUDA GPU."""
+    if args.gpu_mem_gib is not None:
+        return "--gpu-mem-gib", int(args.gpu_mem_gib * GiB)
+    if args.gpu is not None:
+        return args.gpu, planner.gpu_mem_bytes(args.gpu)
+    found = planner.current_gpu()
+    if found is None:
+        args.parser.error("no CUDA GPU found: pass --gpu PRESET or --gpu-mem-gib N")
+    return found
+
+
+def _plan_kwargs(args) -> dict:
+    return dict(ratio=args.ratio, reserved_bytes=args.reserved_gib * GiB, block_size=args.block_size,
+                cache_dtype=args.dtype, tp=args.tp, cp=args.cp, count_mtp_layers=args.mtp)
+
+
+def _plan(args) -> int:
+    if args.plot:
+        try:
+            import matplotlib
+        except ImportError:
+            print("mla-kv plan: --plot needs matplotlib: pip install matplotlib (or mla_kv[plot])",
+                  file=sys.stderr)
+            return 1
+    try:
+        model = planner.load_model(args.model)
+        gpu_label, gpu_bytes = _gpu_memory(args)
+        result = planner.plan(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+
+    if args.json:
+        print(json.dumps(dict(result.to_dict(), gpu=gpu_label), indent=2))
+    else:
+        print(_plan_table(result, gpu_label))
+    if args.plot:
+        matplotlib.use("Agg")
+        try:
+            _plot(args.plot, result, args.weights_gb * GB, _plan_kwargs(args))
+        except (OSError, ValueError) as e:  # an unwritable path or an image format matplotlib lacks
+            args.parser.error(f"--plot {args.plot}: {e}")
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def _plan_table(result: planner.MemoryPlan, gpu_label: str) -> str:
+    m = result.model
+    heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
+    layers = next(iter(result.layouts.values())).num_cached_layers
+    lines = [
+        f"model        {m.name}: {m.attention.upper()}, {layers} cached layers, {heads}, "
+        f"max context {m.max_context:,}",
+        f"GPU          {result.gpu_mem_bytes / GiB:.2f} GiB ({gpu_label}), tp {result.tp}, cp {result.cp}",
+        f"memory/GPU   weights {result.weight_bytes_per_gpu / GB:.2f} GB, reserved "
+        f"{result.reserved_bytes / GiB:.2f} GiB, free {result.free_bytes / GiB:.2f} GiB, "
+        f"cache {result.ratio:g} x free = {result.cache_bytes / GiB:.2f} GiB",
+        f"cache        {result.cache_dtype}, block size {result.block_size}",
+        "",
+    ]
+    header = ("layout", "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
+    rows = [header] + [
+        (lp.layout, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
+         f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
+         f"{lp.session_len:,}" + (" (truncated)" if lp.truncated else ""))
+        for lp in result.layouts.values()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
+        lines.append("  ".join(cells))
+    if "latent" in result.layouts:
+        latent, expanded = result.layouts["latent"], result.layouts["expanded"]
+        lines.append("")
+        lines.append(f"the latent layout stores {expanded.bytes_per_token // latent.bytes_per_token}x "
+                     "fewer bytes per token than the expanded per-head layout")
+    return "\n".join(lines)
+
+
+def _plot(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwargs: dict) -> None:
+    """Context that fits (per layout) vs GPU memory per GPU, with the model's max context."""
+    import matplotlib.pyplot as plt
+
+    floor_gib = (result.weight_bytes_per_gpu + result.reserved_bytes) / GiB
+    gpu_gib = result.gpu_mem_bytes / GiB
+    top_gib = max(2 * gpu_gib, floor_gib + 16)
+    mems = [floor_gib + (top_gib - floor_gib) * i / 200 for i in range(1, 201)]
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, here in result.layouts.items():
+        tokens = [planner.plan(result.model, g * GiB, weight_bytes, **plan_kwargs).layouts[name].max_tokens
+                  for g in mems]
+        line, = ax.plot(mems, [max(t, 1) for t in tokens], label=f"{name} ({here.bytes_per_token:,} B/token)")
+        if here.max_tokens > 0:  # a log axis cannot show 0
+            ax.plot([gpu_gib], [here.max_tokens], "o", color=line.get_color())
+            ax.annotate(f"{here.max_tokens:,}", (gpu_gib, here.max_tokens), textcoords="offset points",
+                        xytext=(6, -12))
+    ax.axhline(result.model.max_context, color="gray", linestyle="--",
+               label=f"model max context {result.model.max_context:,}")
+    ax.axvline(gpu_gib, color="black", linestyle=":", label=f"this plan: {gpu_gib:g} GiB")
+    ax.set_yscale("log")
+    ax.set_xlabel("GPU memory (GiB)")
+    ax.set_ylabel("tokens that fit in the KV cache")
+    ax.set_title(f"{result.model.name}: weights {result.weight_bytes_per_gpu / GB:.1f} GB/GPU, "
+                 f"ratio {result.ratio:g}, {result.cache_dtype}, tp {result.tp}, cp {result.cp}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- info -------------------------------------------------------------------------------------
+
+def _info(args) -> int:
+    import torch
+
+    print(f"mla_kv       {__version__}")
+    print(f"torch        {torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})")
+    try:
+        from . import _build_info
+    except ImportError:
+        _build_info = None
+    if _build_info is None:
+        print("kernels      no build info (running from a source tree without a build): reference ops only")
+    elif not _build_info.WITH_CUDA:
+        print("kernels      not built (reference-only install): ops on CUDA tensors raise")
+    else:
+        archs = ", ".join(f"sm_{a}" for a in _build_info.CUDA_ARCHS)
+        print(f"kernels      built for {archs} with {_build_info.CUDA_COMPILER}")
+
+    compiled = None
+    if _build_info is not None and _build_info.WITH_CUDA:
+        try:
+            from . import _C as compiled
+        except ImportError as e:
+            print(f"             the compiled module does not load: {e}")
+
+    if not torch.cuda.is_available():
+        print("GPU          none found: the reference (PyTorch) path only")
+        return 0
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        cc = props.major * 10 + props.minor
+        if compiled is None:
+            variant = "none (no kernels in this install)"
+        else:
+            arch = compiled.resolve_arch(compiled.Arch.auto, cc)
+            variant = "none (no compiled target at or below this GPU)" if arch == compiled.Arch.auto else arch.name
+        print(f"GPU {i}        {props.name}, sm_{cc}, {props.total_memory / GiB:.1f} GiB -> kernel variant {variant}")
+    return 0
+
+
+# ---- bench ------------------------------------------------------------------------------------
+
+def _bench_scripts() -> list:
+    """bench/bench_*.py under the working directory or the source tree this module runs from."""
+    source_root = Path(__file__).resolve().parents[2]
+    for root in dict.fromkeys((Path.cwd(), source_root)):
+        scripts = sorted((root / "bench").glob("bench_*.py"))
+        if scripts:
+            return scripts
+    return []
+
+
+def _bench(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("mla-kv bench: no CUDA GPU found; the benchmarks time the CUDA kernels and need one",
+              file=sys.stderr)
+        return 1
+    scripts = _bench_scripts()
+    if not scripts:
+        print("mla-kv bench: no bench/bench_*.py found; run it from the mla_kv source tree", file=sys.stderr)
+        return 1
+    failed = []
+    for i, script in enumerate(scripts, 1):
+        done = "#" * (20 * (i - 1) // len(scripts))
+        print(f"[{done:<20}] {i}/{len(scripts)} {script.name}", flush=True)
+        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        if subprocess.call(cmd) != 0:
+            failed.append(script.name)
+    print(f"[{'#' * 20}] {len(scripts)}/{len(scripts)} done", flush=True)
+    if failed:
+        print(f"mla-kv bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

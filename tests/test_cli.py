@@ -1,0 +1,159 @@
+"""The mla-kv command line, run as ``python -m mla_kv.cli`` in a subprocess (bad-argument matrix in-process).
+
+The subprocess imports the same mla_kv the tests import (installed or from the source tree).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mla_kv
+from mla_kv import cli
+
+SEED_EXAMPLE = ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--ratio", "0.8"]
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ)
+    package_root = str(Path(mla_kv.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "mla_kv.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_table():
+    r = run_cli(*SEED_EXAMPLE)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()}
+    # layout, B/token/layer, B/token, B/block, blocks, max tokens, session_len
+    assert rows["latent"][1:7] == ["1,152", "54,144", "3,465,216", "3,188", "204,032", "202,752"]
+    assert rows["expanded"][1:7] == ["46,080", "2,165,760", "138,608,640", "79", "5,056", "5,056"]
+    assert "(truncated)" in " ".join(rows["expanded"]) and "(truncated)" not in " ".join(rows["latent"])
+
+
+def test_plan_json():
+    r = run_cli(*SEED_EXAMPLE, "--json", "--tp", "4", "--cp", "2", "--block-size", "32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    latent, expanded = out["latent"], out["expanded"]
+    assert (latent["bytes_per_token"], expanded["bytes_per_token"]) == (47 * 1_152, 47 * 5 * 2 * 1_152)
+    cache = (32 * 2 ** 30 - 18_400_000_000 // 4 - 2 * 2 ** 30) * 4 // 5
+    assert latent["max_tokens"] == cache // (32 * 47 * 1_152) * 32 * 2
+    assert expanded["max_tokens"] == cache // (32 * 47 * 11_520) * 32 * 2
+    assert latent["session_len"] == 202_752 and expanded["session_len"] == expanded["max_tokens"]
+    assert (out["tp"], out["cp"], out["model"]["name"]) == (4, 2, "glm-4.7-flash")
+
+
+def test_plan_gpu_preset_and_config_path(tmp_path):
+    config = {"model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512,
+              "qk_rope_head_dim": 64, "max_position_embeddings": 163840}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run_cli("plan", "--model", str(tmp_path), "--gpu", "t4", "--weights-gb", "10", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    cache = (16 * 2 ** 30 - 10_000_000_000 - 2 * 2 ** 30) * 4 // 5
+    assert out["latent"]["max_tokens"] == cache // (64 * 27 * 1_152) * 64
+    assert out["expanded"]["max_tokens"] == cache // (64 * 27 * 16 * 2 * 1_152) * 64
+
+
+def test_plan_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "context.png"
+    r = run_cli(*SEED_EXAMPLE, "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("name", ["missing-dir/context.png", "context.unknown-format"])
+def test_plot_to_a_bad_path_exit_2(tmp_path, capsys, name):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(SEED_EXAMPLE + ["--plot", str(tmp_path / name)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--plot" in err
+
+
+def test_info():
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert f"mla_kv       {mla_kv.__version__}" in r.stdout
+    assert "kernels" in r.stdout and "GPU" in r.stdout
+    if not torch.cuda.is_available():
+        assert "none found" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_bench_without_gpu_exits_1(tmp_path):
+    r = run_cli("bench", "--quick", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "--model", "glm-5", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "-32", "--weights-gb", "18.4"],
+])
+def test_bad_arguments_subprocess(args):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr and r.stdout == ""
+
+
+BAD_ARGUMENTS = [
+    [],
+    ["frobnicate"],
+    ["plan", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],                                 # no --model
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32"],                             # no --weights-gb
+    ["plan", "--model", "glm-5", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "/no/such/dir/config.json", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "0", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "inf", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "-1"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "lots"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--ratio", "0"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--ratio", "1.2"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--tp", "3"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--cp", "0"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--block-size", "1.5"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--reserved-gib", "-1"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--dtype", "fp8"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu", "v100-48g", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu", "h200", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["info", "--verbose"],
+]
+
+
+@pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=lambda a: " ".join(a) or "no-command")
+def test_bad_arguments_one_line_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1 and "error:" in captured.err
+
+
+def test_bad_config_file_exit_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 4}))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", str(tmp_path), "--gpu-mem-gib", "32", "--weights-gb", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "mamba" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the current GPU is used when one is present")
+def test_plan_without_gpu_or_memory_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", "glm-4.7-flash", "--weights-gb", "18.4"])
+    assert exit_info.value.code == 2
+    assert "--gpu-mem-gib" in capsys.readouterr().err

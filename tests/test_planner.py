@@ -1,0 +1,257 @@
+"""mla_kv.planner against byte counts worked out by hand from the model shapes.
+
+Expected numbers are literal arithmetic on public config values (layers, heads, 512 + 64 latent
+values, 2 bytes per fp16 value), not calls into the planner. GiB = 2**30 B, GB = 10**9 B.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import Glm4MoeLiteConfig
+
+from mla_kv import planner
+from mla_kv.planner import GqaModel, MlaModel, load_model, plan
+
+GIB = 2 ** 30
+GLM = planner.MODELS["glm-4.7-flash"]
+
+
+def test_glm_fp16_bytes_per_token():
+    p = plan(GLM, 32 * GIB, 18.4e9)
+    latent, expanded = p.layouts["latent"], p.layouts["expanded"]
+    assert latent.bytes_per_token_per_layer == 576 * 2 == 1_152
+    assert expanded.bytes_per_token_per_layer == 20 * 2 * 576 * 2 == 46_080
+    assert latent.bytes_per_token == 47 * 1_152 == 54_144
+    assert expanded.bytes_per_token == 47 * 46_080 == 2_165_760
+    assert latent.bytes_per_block == 64 * 54_144
+    assert latent.num_cached_layers == expanded.num_cached_layers == 47
+
+
+@pytest.mark.parametrize("name, layers, latent_layer, expanded_layer", [
+    ("deepseek-v2-lite", 27, 1_152, 16 * 2 * 1_152),
+    ("deepseek-v3", 61, 1_152, 128 * 2 * 1_152),
+    ("kimi-k2", 61, 1_152, 64 * 2 * 1_152),
+])
+def test_mla_presets_bytes_per_token(name, layers, latent_layer, expanded_layer):
+    p = plan(planner.MODELS[name], 80 * GIB, 1e9)
+    assert p.layouts["latent"].bytes_per_token == layers * latent_layer
+    assert p.layouts["expanded"].bytes_per_token == layers * expanded_layer
+
+
+def test_preset_max_contexts_match_public_configs():
+    contexts = {name: m.max_context for name, m in planner.MODELS.items()}
+    assert contexts["glm-4.7-flash"] == 202_752
+    assert contexts["deepseek-v2-lite"] == 163_840
+    assert contexts["deepseek-v3"] == 163_840
+    assert contexts["kimi-k2"] == 131_072
+
+
+def test_gqa_preset_for_comparison():
+    p = plan(planner.MODELS["llama-3.1-8b"], 80 * GIB, 16e9)
+    assert list(p.layouts) == ["kv"]
+    assert p.layouts["kv"].bytes_per_token == 32 * 8 * 2 * 128 * 2 == 131_072
+
+
+@pytest.mark.parametrize("dtype, size", [("fp16", 2), ("bf16", 2), ("fp32", 4)])
+def test_cache_dtype_sets_element_size(dtype, size):
+    p = plan(GLM, 32 * GIB, 18.4e9, cache_dtype=dtype)
+    assert p.layouts["latent"].bytes_per_token_per_layer == 576 * size
+
+
+def test_seed_example_v100_32g():
+    """The bug report: GLM-4.7-Flash, V100-32G, 18.4 GB of weights, ratio 0.8, engine said 4,928."""
+    p = plan(GLM, 32 * GIB, 18.4e9, ratio=0.8, block_size=64)
+    free = 34_359_738_368 - 18_400_000_000 - 2_147_483_648      # 32 GiB - 18.4 GB - 2 GiB reserved
+    assert free == 13_812_254_720
+    cache = free * 4 // 5
+    assert (p.free_bytes, p.cache_bytes) == (free, cache) == (13_812_254_720, 11_049_803_776)
+    # expanded: 138,608,640 B per block of 64 tokens; 79 blocks = 10,950,082,560 B <= cache < 80 blocks
+    expanded = p.layouts["expanded"]
+    assert expanded.bytes_per_block == 138_608_640
+    assert 79 * 138_608_640 <= cache < 80 * 138_608_640
+    assert (expanded.num_blocks, expanded.max_tokens, expanded.session_len) == (79, 5_056, 5_056)
+    assert expanded.truncated
+    assert abs(expanded.max_tokens - 4_928) / 4_928 < 0.03
+    # latent: 3,465,216 B per block; 3,188 blocks <= cache < 3,189 blocks
+    latent = p.layouts["latent"]
+    assert 3_188 * 3_465_216 <= cache < 3_189 * 3_465_216
+    assert (latent.num_blocks, latent.max_tokens) == (3_188, 204_032)
+    assert latent.max_tokens >= 202_752
+    assert latent.session_len == 202_752 and not latent.truncated
+
+
+def test_mtp_layers_counted_only_when_asked():
+    assert plan(GLM, 32 * GIB, 18.4e9).layouts["latent"].bytes_per_token == 47 * 1_152
+    with_mtp = plan(GLM, 32 * GIB, 18.4e9, count_mtp_layers=True).layouts["latent"]
+    assert with_mtp.num_cached_layers == 48
+    assert with_mtp.bytes_per_token == 48 * 1_152 == 55_296
+
+
+def test_tensor_parallel_splits_heads_and_weights_not_latent():
+    p = plan(GLM, 32 * GIB, 18.4e9, tp=4)
+    assert p.layouts["latent"].bytes_per_token_per_layer == 1_152            # whole latent per rank
+    assert p.layouts["expanded"].bytes_per_token_per_layer == 5 * 2 * 1_152  # 20 / 4 heads per rank
+    assert p.weight_bytes_per_gpu == 4_600_000_000
+    cache = (32 * GIB - 4_600_000_000 - 2 * GIB) * 4 // 5
+    assert p.cache_bytes == cache
+    assert p.layouts["latent"].num_blocks == cache // (64 * 47 * 1_152)
+    assert p.layouts["expanded"].num_blocks == cache // (64 * 47 * 11_520)
+
+
+def test_context_parallel_multiplies_tokens():
+    one = plan(GLM, 24 * GIB, 18.4e9)
+    four = plan(GLM, 24 * GIB, 18.4e9, cp=4)
+    for name in ("latent", "expanded"):
+        assert four.layouts[name].num_blocks == one.layouts[name].num_blocks
+        assert four.layouts[name].max_tokens == 4 * one.layouts[name].max_tokens
+    # 24 GiB: latent (24 GiB - 18.4 GB - 2 GiB) * 0.8 // 3,465,216 blocks of 64, times 4 ranks
+    blocks = (24 * GIB - 18_400_000_000 - 2 * GIB) * 4 // 5 // 3_465_216
+    assert four.layouts["latent"].max_tokens == blocks * 64 * 4
+    assert one.layouts["latent"].truncated and not four.layouts["latent"].truncated
+    assert four.layouts["latent"].session_len == 202_752
+
+
+def test_tp_must_divide_mla_heads():
+    with pytest.raises(ValueError, match="tp"):
+        plan(GLM, 32 * GIB, 18.4e9, tp=3)
+
+
+def test_gqa_kv_heads_replicate_past_tp():
+    llama = planner.MODELS["llama-3.1-8b"]
+    assert plan(llama, 80 * GIB, 16e9, tp=2).layouts["kv"].bytes_per_token_per_layer == 4 * 2 * 128 * 2
+    assert plan(llama, 80 * GIB, 16e9, tp=16).layouts["kv"].bytes_per_token_per_layer == 1 * 2 * 128 * 2
+
+
+def test_weights_larger_than_gpu_fit_nothing():
+    p = plan(GLM, 16 * GIB, 18.4e9)
+    assert p.free_bytes == 0
+    for lp in p.layouts.values():
+        assert lp.num_blocks == lp.max_tokens == lp.session_len == 0 and lp.truncated
+
+
+def test_random_plans_satisfy_the_accounting():
+    """Whole blocks that fit the cache, the cache a ratio of free memory, tokens x cp, capped context."""
+    rng = random.Random(torch.initial_seed())
+    mla_names = ["glm-4.7-flash", "deepseek-v2-lite", "deepseek-v3", "kimi-k2"]
+    for _ in range(200):
+        model = planner.MODELS[rng.choice(mla_names)]
+        tp = rng.choice([d for d in (1, 2, 4, 8, 16) if model.num_heads % d == 0])
+        gpu, weights = rng.uniform(8, 200) * GIB, rng.uniform(0, 400) * 1e9
+        reserved, ratio = rng.uniform(0, 4) * GIB, rng.uniform(0.05, 1.0)
+        block, cp = rng.choice([16, 32, 64, 128]), rng.choice([1, 2, 3, 8])
+        p = plan(model, gpu, weights, ratio=ratio, reserved_bytes=reserved, block_size=block, tp=tp, cp=cp,
+                 cache_dtype=rng.choice(["fp16", "bf16", "fp32"]))
+        free = max(0, int(gpu) - int(weights) // tp - int(reserved))
+        assert p.free_bytes == free
+        assert abs(p.cache_bytes - free * ratio) <= 1
+        latent, expanded = p.layouts["latent"], p.layouts["expanded"]
+        assert expanded.bytes_per_token == latent.bytes_per_token * 2 * model.num_heads // tp
+        for lp in (latent, expanded):
+            assert lp.bytes_per_block == lp.bytes_per_token * block
+            assert lp.num_blocks * lp.bytes_per_block <= p.cache_bytes < (lp.num_blocks + 1) * lp.bytes_per_block
+            assert lp.max_tokens == lp.num_blocks * block * cp
+            assert lp.session_len == min(lp.max_tokens, model.max_context)
+            assert lp.truncated == (lp.max_tokens < model.max_context)
+
+
+@pytest.mark.parametrize("kwargs, error, argument", [
+    (dict(ratio=0), ValueError, "ratio"),
+    (dict(ratio=1.5), ValueError, "ratio"),
+    (dict(ratio="0.8"), TypeError, "ratio"),
+    (dict(tp=0), ValueError, "tp"),
+    (dict(cp=0), ValueError, "cp"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(block_size=2.5), TypeError, "block_size"),
+    (dict(cache_dtype="fp8"), ValueError, "cache_dtype"),
+    (dict(reserved_bytes=-1), ValueError, "reserved_bytes"),
+    (dict(weight_bytes=-1.0), ValueError, "weight_bytes"),
+    (dict(weight_bytes=float("nan")), ValueError, "weight_bytes"),
+    (dict(gpu_mem_bytes=0), ValueError, "gpu_mem_bytes"),
+])
+def test_bad_plan_arguments_name_the_argument(kwargs, error, argument):
+    args = dict(model=GLM, gpu_mem_bytes=32 * GIB, weight_bytes=18.4e9)
+    args.update(kwargs)
+    with pytest.raises(error, match=argument):
+        plan(**args)
+
+
+def test_gpu_presets():
+    assert planner.gpu_mem_bytes("v100-32g") == 32 * GIB
+    assert planner.gpu_mem_bytes("a100-80g") == 80 * GIB
+    with pytest.raises(ValueError, match="gpu"):
+        planner.gpu_mem_bytes("v100-48g")
+
+
+# ---- HF config.json loading --------------------------------------------------------------------
+
+GLM_CONFIG = {  # the fields of zai-org/GLM-4.7-Flash's config.json that the planner reads, and a few others
+    "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "hidden_size": 2048,
+    "num_hidden_layers": 47, "num_attention_heads": 20, "num_key_value_heads": 20, "kv_lora_rank": 512,
+    "q_lora_rank": 768, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "max_position_embeddings": 202752, "num_nextn_predict_layers": 1,
+}
+
+
+def _write(tmp_path, config, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_load_mla_config_file_and_directory(tmp_path):
+    path = _write(tmp_path, GLM_CONFIG)
+    for source in (str(path), str(tmp_path)):
+        model = load_model(source)
+        assert isinstance(model, MlaModel)
+        assert (model.num_layers, model.num_heads, model.max_context, model.num_mtp_layers) == (47, 20, 202_752, 1)
+        p = plan(model, 32 * GIB, 18.4e9)
+        assert (p.layouts["latent"].max_tokens, p.layouts["expanded"].max_tokens) == (204_032, 5_056)
+
+
+def test_load_config_written_by_transformers(tmp_path):
+    path = tmp_path / "config.json"
+    Glm4MoeLiteConfig(num_hidden_layers=5, num_attention_heads=8, max_position_embeddings=4096).to_json_file(path)
+    model = load_model(str(path))
+    assert isinstance(model, MlaModel)
+    assert (model.num_layers, model.num_heads, model.max_context) == (5, 8, 4096)
+    assert plan(model, 8 * GIB, 1e9).layouts["expanded"].bytes_per_token_per_layer == 8 * 2 * 576 * 2
+
+
+def test_load_small_mla_rows_from_config(tmp_path):
+    config = dict(GLM_CONFIG, model_type="deepseek_v3", kv_lora_rank=32, qk_rope_head_dim=16, num_hidden_layers=2)
+    model = load_model(str(_write(tmp_path, config)))
+    assert plan(model, 8 * GIB, 1e9).layouts["latent"].bytes_per_token == 2 * (32 + 16) * 2
+
+
+def test_load_gqa_config(tmp_path):
+    config = {"model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "hidden_size": 8192, "max_position_embeddings": 131072}
+    model = load_model(str(_write(tmp_path, config)))
+    assert isinstance(model, GqaModel)
+    assert model.head_dim == 8192 // 64 == 128
+    assert plan(model, 80 * GIB, 1e9).layouts["kv"].bytes_per_token == 80 * 8 * 2 * 128 * 2
+    text = {"model_type": "some_vlm", "text_config": dict(config, head_dim=96)}
+    assert load_model(str(_write(tmp_path, text, "vlm.json"))).head_dim == 96
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"model_type": "mamba", "num_hidden_layers": 4}, "mamba"),
+    ({k: v for k, v in GLM_CONFIG.items() if k != "kv_lora_rank"}, "kv_lora_rank"),
+    ("{not json", "JSON"),
+    ([1, 2], "object"),
+])
+def test_bad_configs_raise_value_error(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        load_model(str(path))
+
+
+def test_unknown_model_names_the_presets(tmp_path):
+    with pytest.raises(ValueError, match="glm-4.7-flash"):
+        load_model("glm-5")
+    with pytest.raises(ValueError, match="no such file"):
+        load_model(str(tmp_path / "missing" / "config.json"))
