@@ -119,7 +119,7 @@ def test_decode_forced_splits_match_reference():
 def test_decode_block_pointers(dtype, rope_first):
     gen = torch.Generator(device="cuda").manual_seed(7 + rope_first)
     cpu_gen = torch.Generator().manual_seed(7)
-    lens, heads, s_q, bsl = [1, 64, 130, 700], 20, 2, 64
+    lens, heads, s_q, bsl = [2, 64, 130, 700], 20, 2, 64
     pool = BlockPool(40, 2, bsl, dtype, "cuda", rope_first=rope_first)
     pool.storage.copy_(torch.randn(pool.storage.shape, generator=gen, device="cuda") * 0.5)
     counts = [-(-n // bsl) for n in lens]

@@ -46,21 +46,24 @@ struct BlockPointerRows {
   }
 };
 
-// Reads position `pos` of sequence b through a paged block table. nullptr for positions the table
-// does not cover or block ids outside the cache: the kernels treat such rows as zeros.
+// Reads position `pos` of sequence b through a paged block table. A null block base for positions
+// the table does not cover or block ids outside the cache: the kernels treat such rows as zeros.
 struct PagedTableRows {
   PagedCache cache;
   const int* block_table;
   int64_t block_table_stride;
   int max_blocks;  // entries per block-table row
 
-  __device__ __forceinline__ const char* row(int b, int pos) const {
+  // This layer's first row in the block holding `pos`.
+  __device__ __forceinline__ const char* block_base(int b, int pos) const {
     const int i = pos / cache.block_size;
     if (i >= max_blocks) return nullptr;
     const int block = block_table[b * block_table_stride + i];
     if (block < 0 || block >= cache.num_blocks) return nullptr;
-    return static_cast<const char*>(cache.base) + int64_t(block) * cache.block_stride_bytes +
-           int64_t(pos - i * cache.block_size) * cache.row.row_stride_bytes;
+    return static_cast<const char*>(cache.base) + int64_t(block) * cache.block_stride_bytes;
+  }
+  __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
+    return base + int64_t(pos % cache.block_size) * cache.row.row_stride_bytes;
   }
 };
 
@@ -68,12 +71,14 @@ struct PagedTableRows {
 struct BlockPointerTableRows {
   BlockPointerCache cache;
 
-  __device__ __forceinline__ const char* row(int b, int pos) const {
+  __device__ __forceinline__ const char* block_base(int b, int pos) const {
     const int i = pos / cache.block_seq_len;
     const int first = cache.cu_block_nums[b];
     if (i >= cache.cu_block_nums[b + 1] - first) return nullptr;
-    return static_cast<const char*>(cache.block_ptrs[first + i]) + cache.layer_offset_bytes +
-           int64_t(pos - i * cache.block_seq_len) * cache.row.row_stride_bytes;
+    return static_cast<const char*>(cache.block_ptrs[first + i]) + cache.layer_offset_bytes;
+  }
+  __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
+    return base + int64_t(pos % cache.block_seq_len) * cache.row.row_stride_bytes;
   }
 };
 

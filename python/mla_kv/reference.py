@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                style: str = "interleaved") -> torch.Tensor:
-    """Rotates the last dim (64) of x [..., T, 64] or [T, ..., 64] by the angles at ``positions`` [T].
+    """Rotates the last dim (64) of x [T, ..., 64] by the angles at ``positions`` [T].
 
     cos_sin_cache [max_position, 64] holds [cos (32) | sin (32)] (see mla_kv.rope.cos_sin_cache).
     style "interleaved" rotates pairs (2i, 2i+1) (GPT-J; DeepSeek and GLM); "neox" pairs (i, i+32).
@@ -59,10 +59,11 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     kv_c [>=T, 512], k_pe [>=T, 64]; kv_cache [num_blocks, block_size, 576];
     slot_mapping int64 [T]: token t goes to block slot // block_size, offset slot % block_size.
-    Negative slots are padded tokens and are skipped; only the first T input rows are read.
+    Negative slots are padded tokens and are skipped, as are slots past the cache's capacity (the
+    kernels never write outside the cache); only the first T input rows are read.
     """
     t = slot_mapping.shape[0]
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * kv_cache.shape[1])
     rows = torch.cat([kv_c[:t], k_pe[:t]], dim=-1).to(kv_cache.dtype)
     kv_cache.view(-1, ROW_DIM)[slot_mapping[keep]] = rows[keep]
 
@@ -77,15 +78,19 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
     cos_sin_cache [max_position, 64]; kv_cache/slot_mapping as in write_kv.
     The row written is [rms_norm(c_kv, rms_weight, eps) | apply_rope(k_pe, positions)].
     If q [T, H, D] is given, its last 64 values per head are rotated in place at the same positions
-    (also for padded tokens, whose cache row is skipped).
+    (also for padded tokens, whose cache row is skipped). A token whose position lies outside
+    [0, max_position) is left alone entirely: no cache row, no q rotation.
     """
     t = slot_mapping.shape[0]
-    pos = positions[:t]
+    pos = positions[:t].long()
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    pos = pos.where(ok, 0)
     kv_c = rms_norm(kv_a[:t, :LATENT_DIM], rms_weight, eps)
     k_pe = apply_rope(kv_a[:t, LATENT_DIM:], pos, cos_sin_cache, rope_style)
-    write_kv(kv_c, k_pe, kv_cache, slot_mapping)
+    write_kv(kv_c, k_pe, kv_cache, slot_mapping.where(ok, -1))
     if q is not None:
-        q[:t, :, -ROPE_DIM:] = apply_rope(q[:t, :, -ROPE_DIM:], pos, cos_sin_cache, rope_style)
+        rotated = apply_rope(q[:t, :, -ROPE_DIM:], pos, cos_sin_cache, rope_style)
+        q[:t, :, -ROPE_DIM:] = torch.where(ok[:, None, None], rotated, q[:t, :, -ROPE_DIM:])
 
 
 # The attention ops' specification lives in its own module; it is part of this one's API.

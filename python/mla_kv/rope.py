@@ -13,6 +13,7 @@ The variant is ``scaling["rope_type"]``, else ``scaling["type"]``, else "default
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Optional, Tuple
 
@@ -22,15 +23,15 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
-    return value
+    return int(value)
 
 
 def _positive_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be positive and finite, got {value}")

@@ -57,13 +57,12 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
                                           int sm_count, Arch arch) {
   const int block_m = block_m_for(q_len * num_heads, arch);
   const int64_t ctas = int64_t(batch) * ceil_div(int64_t(q_len) * num_heads, block_m);
-  // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU; keep each split
-  // long enough that the combine stays a small fraction of the work.
+  // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU, and then into as
+  // many pieces as fit in one wave (a CTA holds a whole SM's shared memory): a second, partial wave
+  // would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
   int splits = 1;
-  if (ctas < sm_count && max_kv_len > kMinTokensPerSplit) {
-    const int want = ceil_div(sm_count, ctas);
-    splits = std::max(1, std::min(want, ceil_div(max_kv_len, kMinTokensPerSplit)));
-  }
+  if (2 * ctas <= sm_count && max_kv_len > kMinTokensPerSplit)
+    splits = std::max(1, std::min<int>(int(sm_count / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));
   int tokens = ceil_div(std::max<int64_t>(max_kv_len, 1), splits);
   tokens = ceil_div(tokens, kTileTokens) * kTileTokens;
   return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens};

@@ -29,17 +29,21 @@ constexpr int kPitch = kRowDim + 8;         // smem row pitch (elements): rows s
 constexpr int kScorePitch = kBlockN + 4;    // fp32 score row pitch
 constexpr int kProbPitch = kBlockN + 8;     // P row pitch (elements)
 constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
-constexpr int kTileVecsPerThread = kBlockN * kVecsPerRow / kThreads;  // 9
-static_assert(kBlockN * kVecsPerRow % kThreads == 0, "tile load split");
+constexpr int kRowsPerWarp = kBlockN / kWarps;                  // tile rows a warp loads
+constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int kBlockM>
+// Tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in registers.
+template <class A>
+constexpr int kStages = A::kMinCudaArch >= 800 ? 3 : 1;
+
+template <class A, int kBlockM>
 struct SmemLayout {
   static constexpr int kTilesM = kBlockM / 16;
   static constexpr int kSplitK = kWarps / (kTilesM * 2);  // warps sharing one 16x16 score tile
   static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
-  static constexpr size_t kKv = size_t(kBlockN) * kPitch * 2;
+  static constexpr size_t kKv = size_t(kStages<A>) * kBlockN * kPitch * 2;
   static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
   static constexpr size_t kProbs = size_t(kBlockM) * kProbPitch * 2;
   static constexpr size_t kRowStats = size_t(kBlockM) * 4;
@@ -91,7 +95,7 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
 template <class A, class T, int kBlockM, class Rows>
 __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
-    using L = SmemLayout<kBlockM>;
+    using L = SmemLayout<A, kBlockM>;
     using Mma = arch::WarpMma16<A, T>;
     extern __shared__ __align__(16) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
@@ -120,27 +124,51 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
       *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = val;
     }
 
-    // The tile's cache rows, issued into registers one tile ahead.
-    int4 pending[kTileVecsPerThread];
-    auto fetch = [&](int j0) {
+    // Tile loads: warp w moves tile rows w, w + 8, ...; each lane up to kVecsPerLane 16-byte vectors
+    // of a row. A row's block base is looked up one tile before its data is requested, so the
+    // block-table read never sits in front of the data read.
+    const char* bases[kRowsPerWarp];
+    auto lookup = [&](int j0) {
 #pragma unroll
-      for (int i = 0; i < kTileVecsPerThread; ++i) {
-        const int v = tid + i * kThreads, r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-        const int pos = j0 + r;
-        pending[i] = make_int4(0, 0, 0, 0);
-        const T* row = pos < w.kv_hi ? reinterpret_cast<const T*>(rows.row(w.b, pos)) : nullptr;
-        if (row != nullptr) {
-          const arch::Vec<T, 8> v = arch::load_stream<A, T, 8>(row + c * 8);
-          pending[i] = *reinterpret_cast<const int4*>(&v);
+      for (int k = 0; k < kRowsPerWarp; ++k) {
+        const int pos = j0 + warp + k * kWarps;
+        bases[k] = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
+      }
+    };
+    constexpr int kStageElems = kBlockN * kPitch;
+    int4 staged[kRowsPerWarp][kVecsPerLane];  // register path only
+    auto issue = [&](int j0, int stage) {
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) {
+        const int r = warp + k * kWarps;
+        const T* src = bases[k] ? reinterpret_cast<const T*>(rows.row_in_block(bases[k], j0 + r)) : nullptr;
+#pragma unroll
+        for (int v = 0; v < kVecsPerLane; ++v) {
+          const int c = lane + 32 * v;
+          if (c >= kVecsPerRow) continue;
+          if constexpr (kStages<A> > 1) {
+            T* dst = kv_s + stage * kStageElems + r * kPitch + canonical_column(rows.cache.row, c * 8);
+            arch::cp_async_16(dst, src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
+          } else {
+            staged[k][v] = make_int4(0, 0, 0, 0);
+            if (src) {
+              const arch::Vec<T, 8> x = arch::load_stream<A, T, 8>(src + c * 8);
+              staged[k][v] = *reinterpret_cast<const int4*>(&x);
+            }
+          }
         }
       }
     };
-    auto stash = [&]() {
+    auto stash = [&]() {  // register path: staged tile -> smem
 #pragma unroll
-      for (int i = 0; i < kTileVecsPerThread; ++i) {
-        const int v = tid + i * kThreads, r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-        *reinterpret_cast<int4*>(kv_s + r * kPitch + canonical_column(rows.cache.row, c * 8)) = pending[i];
-      }
+      for (int k = 0; k < kRowsPerWarp; ++k)
+#pragma unroll
+        for (int v = 0; v < kVecsPerLane; ++v) {
+          const int c = lane + 32 * v;
+          if (c < kVecsPerRow)
+            *reinterpret_cast<int4*>(kv_s + (warp + k * kWarps) * kPitch + canonical_column(rows.cache.row, c * 8)) =
+                staged[k][v];
+        }
     };
 
     // Softmax ownership: consecutive lanes share a row.
@@ -171,11 +199,27 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
     constexpr int kKSlice = kRowDim / L::kSplitK;
     static_assert(kKSlice % 16 == 0, "k slice");
 
-    if (w.kv_lo < w.kv_hi) fetch(w.kv_lo);
+    // Prologue: tiles 0 .. kStages-1 requested (or staged), bases of the next one looked up.
+    int stage = 0;
+#pragma unroll
+    for (int t = 0; t < kStages<A>; ++t) {
+      lookup(w.kv_lo + t * kBlockN);
+      issue(w.kv_lo + t * kBlockN, t);
+      if constexpr (kStages<A> > 1) arch::cp_async_commit();
+    }
+    lookup(w.kv_lo + kStages<A> * kBlockN);
     for (int j0 = w.kv_lo; j0 < w.kv_hi; j0 += kBlockN) {
-      stash();
-      __syncthreads();  // kv tile (and, first time, q) visible
-      if (j0 + kBlockN < w.kv_hi) fetch(j0 + kBlockN);
+      if constexpr (kStages<A> > 1) {
+        arch::cp_async_wait<kStages<A> - 1>();
+      } else {
+        stash();
+      }
+      __syncthreads();  // this tile (and, first time, q) visible to all warps
+      const T* kv_tile = kv_s + stage * kStageElems;
+      if constexpr (kStages<A> == 1) {
+        issue(j0 + kBlockN, 0);  // into registers while this tile is computed
+        lookup(j0 + 2 * kBlockN);
+      }
 
       {  // S = Q.K^T partial over this warp's k slice
         float s_acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -183,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
 #pragma unroll 4
         for (int k = ks * kKSlice; k < (ks + 1) * kKSlice; k += 16) {
           mma.load_a(q_s + st_m * kPitch + k, kPitch, lane);
-          mma.load_b_nk(kv_s + st_n * kPitch + k, kPitch, lane);
+          mma.load_b_nk(kv_tile + st_n * kPitch + k, kPitch, lane);
           mma.mma(s_acc);
         }
         float* out_s = score_s + ks * kBlockM * kScorePitch;
@@ -215,9 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
 #pragma unroll
         for (int c = 0; c < kRowCols; ++c) {
           const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
-          const T pt = arch::from_float<T>(pr);
-          tile_sum += arch::to_float(pt);  // the sum matches the rounded P used in P.V
-          prob_s[my_row * kProbPitch + my_col0 + c] = pt;
+          tile_sum += pr;
+          prob_s[my_row * kProbPitch + my_col0 + c] = arch::from_float<T>(pr);
         }
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
@@ -242,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
         for (int k = 0; k < kBlockN; k += 16)
 #pragma unroll
           for (int nt = 0; nt < kTilesN; ++nt) {
-            mma.load_b_kn(kv_s + k * kPitch + col0 + nt * 16, kPitch, lane);
+            mma.load_b_kn(kv_tile + k * kPitch + col0 + nt * 16, kPitch, lane);
 #pragma unroll
             for (int mt = 0; mt < L::kTilesM; ++mt) {
               mma.load_a(prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
@@ -250,8 +293,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
             }
           }
       }
-      __syncthreads();  // kv_s and prob_s are rewritten next tile
+      __syncthreads();  // this stage and prob_s are rewritten next
+      if constexpr (kStages<A> > 1) {  // refill the stage just consumed with the tile kStages ahead
+        issue(j0 + kStages<A> * kBlockN, stage);
+        arch::cp_async_commit();
+        lookup(j0 + (kStages<A> + 1) * kBlockN);
+        stage = stage + 1 == kStages<A> ? 0 : stage + 1;
+      }
     }
+    if constexpr (kStages<A> > 1) arch::cp_async_wait<0>();
 
     // Epilogue: normalize, then write out/lse (one split) or the partial state (several).
     if (my_col0 == 0) {
@@ -348,9 +398,10 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
     return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
   };
   Status s;
-  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<16>::kBytes);
-  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<32>::kBytes);
-  else s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<64>::kBytes);
+  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<A, 16>::kBytes);
+  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
+  else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
+  else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   constexpr int kRowsPerBlock = 4;
