@@ -276,7 +276,7 @@ def test_merge_states_matches_reference_and_whole_attention(dtype):
     rest = mla_kv.prefill(q[0], cache, rest_table, cu, torch.tensor([700 - 256], dtype=torch.int32, device="cuda"),
                           0.1, causal=False)
     head = mla_kv.decode(q, cache, table, torch.tensor([256], dtype=torch.int32, device="cuda"), 0.1)
-    merged, merged_lse = mla_kv.merge_states(head[0][0, 0], head[1][0, 0], rest[0], rest[1])
+    merged, merged_lse = mla_kv.merge_states(head[0][0, 0], head[1][0, 0], rest[0][0], rest[1][0])
     assert (merged.float() - whole[0][0, 0].float()).abs().max() <= 2e-3
     assert (merged_lse - whole[1][0, 0]).abs().max() <= 1e-4
 

@@ -3,8 +3,8 @@
 // One shape for every arch keeps the attention kernels arch-free; each tag maps it onto its own
 // instruction: Sm80 two mma.m16n8k16 (fp16/bf16), Sm75 four mma.m16n8k8 (fp16), Sm70 four
 // mma.m8n8k4 (fp16; each of the warp's four quad-pairs computes one 8x8 quarter of the tile).
-// Fragments are loaded with plain shared-memory loads (no ldmatrix), so the Sm70 path uses nothing
-// Volta lacks. acc_row/acc_col say where accumulator element i of a lane sits in the tile, so
+// Sm75/Sm80 load fragments with ldmatrix; Sm70 with plain shared-memory loads (Volta has no
+// ldmatrix). acc_row/acc_col say where accumulator element i of a lane sits in the tile, so
 // softmax and epilogues are written once for all tags.
 #pragma once
 
@@ -27,7 +27,7 @@ template <class A, class T>
 struct WarpMma16;
 
 // ---------------------------------------------------------------- Sm80 / Sm75 (same fragments)
-// Thread (g = lane / 4, t = lane % 4). A regs: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..).
+// Fragments of thread (g = lane / 4, t = lane % 4). A regs: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..).
 // B regs per 8-column half: (k 2t..2t+1, n g), (k 2t+8.., n g). C: (g, 2t..2t+1), (g+8, 2t..).
 template <class T>
 struct Sm8xFragments {
@@ -35,32 +35,37 @@ struct Sm8xFragments {
   uint32_t a[4];
   uint32_t b[2][2];  // [n half][k half]
 
-  // A stored [m][k] (k contiguous), leading dim ld elements.
+  // ldmatrix: each lane names one 16-byte row of one of the four 8x8 matrices (lanes 8i..8i+7 ->
+  // matrix i), and receives its fragment of each. Rows must be 16-byte aligned.
+  __device__ __forceinline__ static void ldmatrix_x4(uint32_t (&r)[4], const T* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(row))));
+  }
+  __device__ __forceinline__ static void ldmatrix_x4_trans(uint32_t (&r)[4], const T* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(row))));
+  }
+
+  // A stored [m][k] (k contiguous), leading dim ld elements: matrices (m 0-7 | 8-15) x (k 0-7 | 8-15).
   __device__ __forceinline__ void load_a(const T* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    a[0] = *reinterpret_cast<const uint32_t*>(s + g * ld + 2 * t);
-    a[1] = *reinterpret_cast<const uint32_t*>(s + (g + 8) * ld + 2 * t);
-    a[2] = *reinterpret_cast<const uint32_t*>(s + g * ld + 2 * t + 8);
-    a[3] = *reinterpret_cast<const uint32_t*>(s + (g + 8) * ld + 2 * t + 8);
+    const int mat = lane >> 3;
+    ldmatrix_x4(a, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
   }
   // B stored [n][k] (k contiguous): the K^T operand of Q.K^T.
   __device__ __forceinline__ void load_b_nk(const T* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      b[h][0] = *reinterpret_cast<const uint32_t*>(s + (h * 8 + g) * ld + 2 * t);
-      b[h][1] = *reinterpret_cast<const uint32_t*>(s + (h * 8 + g) * ld + 2 * t + 8);
-    }
+    const int mat = lane >> 3;
+    uint32_t r[4];
+    ldmatrix_x4(r, s + ((mat >> 1) * 8 + (lane & 7)) * ld + (mat & 1) * 8);
+    b[0][0] = r[0]; b[0][1] = r[1]; b[1][0] = r[2]; b[1][1] = r[3];
   }
-  // B stored [k][n] (n contiguous): the V operand of P.V.
+  // B stored [k][n] (n contiguous): the V operand of P.V, transposed on the way in.
   __device__ __forceinline__ void load_b_kn(const T* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const T* col = s + h * 8 + g;
-      b[h][0] = pack2(col + (2 * t) * ld, col + (2 * t + 1) * ld);
-      b[h][1] = pack2(col + (2 * t + 8) * ld, col + (2 * t + 9) * ld);
-    }
+    const int mat = lane >> 3;
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
+    b[0][0] = r[0]; b[0][1] = r[1]; b[1][0] = r[2]; b[1][1] = r[3];
   }
   __device__ __forceinline__ static int acc_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
   __device__ __forceinline__ static int acc_col(int lane, int i) { return (i >> 2) * 8 + 2 * (lane & 3) + (i & 1); }

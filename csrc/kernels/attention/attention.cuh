@@ -124,35 +124,39 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
       *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = val;
     }
 
-    // Tile loads: warp w moves tile rows w, w + 8, ...; each lane up to kVecsPerLane 16-byte vectors
-    // of a row. A row's block base is looked up one tile before its data is requested, so the
-    // block-table read never sits in front of the data read.
-    const char* bases[kRowsPerWarp];
+    // Tile loads: lane r finds the address of tile row r (one block-table read and division per lane
+    // and tile, one tile before the data is requested); warp w then moves rows w, w + 8, ..., each
+    // lane up to kVecsPerLane 16-byte vectors of a row, taking the row address by shuffle.
+    const char* next_row = nullptr;
     auto lookup = [&](int j0) {
-#pragma unroll
-      for (int k = 0; k < kRowsPerWarp; ++k) {
-        const int pos = j0 + warp + k * kWarps;
-        bases[k] = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
-      }
+      const int pos = j0 + lane;
+      const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
+      next_row = base ? rows.row_in_block(base, pos) : nullptr;
     };
+    int col_of[kVecsPerLane];  // where this lane's vectors go in a canonical smem row
+#pragma unroll
+    for (int v = 0; v < kVecsPerLane; ++v) {
+      const int c = lane + 32 * v;
+      col_of[v] = c < kVecsPerRow ? canonical_column(rows.cache.row, c * 8) : -1;
+    }
     constexpr int kStageElems = kBlockN * kPitch;
     int4 staged[kRowsPerWarp][kVecsPerLane];  // register path only
-    auto issue = [&](int j0, int stage) {
+    auto issue = [&](int stage) {
+      const unsigned long long row_bits = reinterpret_cast<unsigned long long>(next_row);
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
         const int r = warp + k * kWarps;
-        const T* src = bases[k] ? reinterpret_cast<const T*>(rows.row_in_block(bases[k], j0 + r)) : nullptr;
+        const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, row_bits, r));
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
-          const int c = lane + 32 * v;
-          if (c >= kVecsPerRow) continue;
+          if (col_of[v] < 0) continue;
           if constexpr (kStages<A> > 1) {
-            T* dst = kv_s + stage * kStageElems + r * kPitch + canonical_column(rows.cache.row, c * 8);
-            arch::cp_async_16(dst, src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
+            arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
+                              src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
           } else {
             staged[k][v] = make_int4(0, 0, 0, 0);
             if (src) {
-              const arch::Vec<T, 8> x = arch::load_stream<A, T, 8>(src + c * 8);
+              const arch::Vec<T, 8> x = arch::load_stream<A, T, 8>(src + (lane + 32 * v) * 8);
               staged[k][v] = *reinterpret_cast<const int4*>(&x);
             }
           }
@@ -164,10 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
       for (int k = 0; k < kRowsPerWarp; ++k)
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
-          const int c = lane + 32 * v;
-          if (c < kVecsPerRow)
-            *reinterpret_cast<int4*>(kv_s + (warp + k * kWarps) * kPitch + canonical_column(rows.cache.row, c * 8)) =
-                staged[k][v];
+          if (col_of[v] >= 0) *reinterpret_cast<int4*>(kv_s + (warp + k * kWarps) * kPitch + col_of[v]) = staged[k][v];
         }
     };
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
 #pragma unroll
     for (int t = 0; t < kStages<A>; ++t) {
       lookup(w.kv_lo + t * kBlockN);
-      issue(w.kv_lo + t * kBlockN, t);
+      issue(t);
       if constexpr (kStages<A> > 1) arch::cp_async_commit();
     }
     lookup(w.kv_lo + kStages<A> * kBlockN);
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
       __syncthreads();  // this tile (and, first time, q) visible to all warps
       const T* kv_tile = kv_s + stage * kStageElems;
       if constexpr (kStages<A> == 1) {
-        issue(j0 + kBlockN, 0);  // into registers while this tile is computed
+        issue(0);  // the next tile, into registers while this one is computed
         lookup(j0 + 2 * kBlockN);
       }
 
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
       }
       __syncthreads();  // this stage and prob_s are rewritten next
       if constexpr (kStages<A> > 1) {  // refill the stage just consumed with the tile kStages ahead
-        issue(j0 + kStages<A> * kBlockN, stage);
+        issue(stage);
         arch::cp_async_commit();
         lookup(j0 + (kStages<A> + 1) * kBlockN);
         stage = stage + 1 == kStages<A> ? 0 : stage + 1;
