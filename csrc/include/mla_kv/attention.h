@@ -17,6 +17,8 @@
 
 namespace mla_kv {
 
+constexpr int kMaxAttentionSplits = 1024;
+
 struct AttentionParams {
   DType dtype;        // of q, out and the cache
   int batch;
@@ -38,7 +40,7 @@ struct AttentionParams {
   float* lse;
   int64_t lse_stride_b, lse_stride_t, lse_stride_h;
   // KV split: CTA split i covers positions [i * tokens_per_split, (i + 1) * tokens_per_split).
-  int num_splits;
+  int num_splits;  // 1 .. kMaxAttentionSplits
   int tokens_per_split;
   void* workspace;  // attention_workspace_size() bytes when num_splits > 1
 };

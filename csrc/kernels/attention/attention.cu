@@ -31,7 +31,8 @@ int grid_x_for(const AttentionParams& p, int block_m) {
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (p.num_splits < 1 || p.tokens_per_split < 1 || (p.num_splits > 1 && p.workspace == nullptr))
+  if (p.num_splits < 1 || p.num_splits > kMaxAttentionSplits || p.tokens_per_split < 1 ||
+      (p.num_splits > 1 && p.workspace == nullptr))
     return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;

@@ -353,40 +353,66 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
   }
 }
 
-// Merges the per-split partial states of the workspace into out / lse: one warp per row.
+// Merges the per-split partial states of the workspace into out / lse: one CTA per (token, head)
+// row. The split weights are computed once into shared memory; then each thread folds its four
+// columns over all splits with independent loads in flight.
+constexpr int kCombineThreads = kLatentDim / 4;
+
+__device__ __forceinline__ float block_reduce(float x, bool is_max, float* scratch) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, m);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kCombineThreads / 32; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  __syncthreads();
+  return x;
+}
+
 template <class T>
-__global__ void combine_splits_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const AttentionParams p) {
+  __shared__ float weight_s[kMaxAttentionSplits];
+  __shared__ float scratch[kCombineThreads / 32];
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
-  const int64_t flat = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (flat >= total_rows) return;
-  const int lane = threadIdx.x & 31;
+  const int64_t flat = blockIdx.x;
+  const int tid = threadIdx.x;
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
-  float max_lse = -INFINITY;
-  for (int i = 0; i < p.num_splits; ++i) max_lse = fmaxf(max_lse, lses[i * total_rows + flat]);
-  float o[kLatentDim / 32] = {};
+  float m = -INFINITY;
+  for (int i = tid; i < p.num_splits; i += kCombineThreads) m = fmaxf(m, lses[i * total_rows + flat]);
+  m = block_reduce(m, true, scratch);
   float denom = 0.f;
-  if (max_lse != -INFINITY) {
-    for (int i = 0; i < p.num_splits; ++i) {
-      const float wgt = __expf(lses[i * total_rows + flat] - max_lse);
-      if (wgt == 0.f) continue;
-      denom += wgt;
-      const float* src = parts + (i * total_rows + flat) * kLatentDim;
-#pragma unroll
-      for (int c = 0; c < kLatentDim / 32; ++c) o[c] += wgt * src[c * 32 + lane];
-    }
+  for (int i = tid; i < p.num_splits; i += kCombineThreads) {
+    const float wgt = m == -INFINITY ? 0.f : __expf(lses[i * total_rows + flat] - m);
+    weight_s[i] = wgt;
+    denom += wgt;
+  }
+  denom = block_reduce(denom, false, scratch);  // its barrier also publishes weight_s
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int i = 0; i < p.num_splits; ++i) {
+    const float wgt = weight_s[i];
+    if (wgt == 0.f) continue;  // an empty split's partial is never read
+    const float4 x = *reinterpret_cast<const float4*>(parts + (i * total_rows + flat) * kLatentDim + tid * 4);
+    o.x += wgt * x.x; o.y += wgt * x.y; o.z += wgt * x.z; o.w += wgt * x.w;
   }
   const int64_t token = flat / p.num_heads;
   const int h = int(flat - token * p.num_heads);
   int64_t b = 0, t = token;
   if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
-  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + tid * 4;
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
-#pragma unroll
-  for (int c = 0; c < kLatentDim / 32; ++c) dst[c * 32 + lane] = arch::from_float<T>(o[c] * inv);
-  if (lane == 0)
+  dst[0] = arch::from_float<T>(o.x * inv);
+  dst[1] = arch::from_float<T>(o.y * inv);
+  dst[2] = arch::from_float<T>(o.z * inv);
+  dst[3] = arch::from_float<T>(o.w * inv);
+  if (tid == 0)
     p.lse[b * p.lse_stride_b + t * p.lse_stride_t + int64_t(h) * p.lse_stride_h] =
-        denom > 0.f ? max_lse + logf(denom) : -INFINITY;
+        denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
 template <class A, class T, class Rows>
@@ -404,10 +430,8 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
-  const int64_t total_rows = p.total_q_tokens * p.num_heads;
-  constexpr int kRowsPerBlock = 4;
-  combine_splits_kernel<T><<<unsigned((total_rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowsPerBlock * 32, 0,
-                             stream>>>(p);
+  if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
+  combine_splits_kernel<T><<<unsigned(p.total_q_tokens * p.num_heads), kCombineThreads, 0, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
