@@ -61,9 +61,11 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU, and then into as
   // many pieces as fit in one wave (a CTA holds a whole SM's shared memory): a second, partial wave
   // would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
+  // (16-row CTAs of the Sm80 kernel run two per SM.)
+  const int64_t slots = int64_t(sm_count) * (block_m == 16 && arch != Arch::kSm70 && arch != Arch::kSm75 ? 2 : 1);
   int splits = 1;
-  if (2 * ctas <= sm_count && max_kv_len > kMinTokensPerSplit)
-    splits = std::max(1, std::min<int>(int(sm_count / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));
+  if (2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)
+    splits = std::max(1, std::min<int>(int(slots / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));
   int tokens = ceil_div(std::max<int64_t>(max_kv_len, 1), splits);
   tokens = ceil_div(tokens, kTileTokens) * kTileTokens;
   return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens};

@@ -34,16 +34,19 @@ constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last p
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in registers.
-template <class A>
-constexpr int kStages = A::kMinCudaArch >= 800 ? 3 : 1;
+// Tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in registers. A
+// 16-row CTA keeps two stages so that two CTAs share an SM (twice the warps to hide latency).
+template <class A, int kBlockM>
+constexpr int kStages = A::kMinCudaArch < 800 ? 1 : (kBlockM <= 16 ? 2 : 3);
+template <class A, int kBlockM>
+constexpr int kCtasPerSm = (A::kMinCudaArch >= 800 && kBlockM <= 16) ? 2 : 1;
 
 template <class A, int kBlockM>
 struct SmemLayout {
   static constexpr int kTilesM = kBlockM / 16;
   static constexpr int kSplitK = kWarps / (kTilesM * 2);  // warps sharing one 16x16 score tile
   static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
-  static constexpr size_t kKv = size_t(kStages<A>) * kBlockN * kPitch * 2;
+  static constexpr size_t kKv = size_t(kStages<A, kBlockM>) * kBlockN * kPitch * 2;
   static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
   static constexpr size_t kProbs = size_t(kBlockM) * kProbPitch * 2;
   static constexpr size_t kRowStats = size_t(kBlockM) * 4;
@@ -93,7 +96,7 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
 }
 
 template <class A, class T, int kBlockM, class Rows>
-__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionParams p, const Rows rows) {
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
     using L = SmemLayout<A, kBlockM>;
     using Mma = arch::WarpMma16<A, T>;
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
           if (col_of[v] < 0) continue;
-          if constexpr (kStages<A> > 1) {
+          if constexpr (kStages<A, kBlockM> > 1) {
             arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
                               src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
           } else {
@@ -203,21 +206,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
     // Prologue: tiles 0 .. kStages-1 requested (or staged), bases of the next one looked up.
     int stage = 0;
 #pragma unroll
-    for (int t = 0; t < kStages<A>; ++t) {
+    for (int t = 0; t < kStages<A, kBlockM>; ++t) {
       lookup(w.kv_lo + t * kBlockN);
       issue(t);
-      if constexpr (kStages<A> > 1) arch::cp_async_commit();
+      if constexpr (kStages<A, kBlockM> > 1) arch::cp_async_commit();
     }
-    lookup(w.kv_lo + kStages<A> * kBlockN);
+    lookup(w.kv_lo + kStages<A, kBlockM> * kBlockN);
     for (int j0 = w.kv_lo; j0 < w.kv_hi; j0 += kBlockN) {
-      if constexpr (kStages<A> > 1) {
-        arch::cp_async_wait<kStages<A> - 1>();
+      if constexpr (kStages<A, kBlockM> > 1) {
+        arch::cp_async_wait<kStages<A, kBlockM> - 1>();
       } else {
         stash();
       }
       __syncthreads();  // this tile (and, first time, q) visible to all warps
       const T* kv_tile = kv_s + stage * kStageElems;
-      if constexpr (kStages<A> == 1) {
+      if constexpr (kStages<A, kBlockM> == 1) {
         issue(0);  // the next tile, into registers while this one is computed
         lookup(j0 + 2 * kBlockN);
       }
@@ -295,14 +298,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const AttentionP
           }
       }
       __syncthreads();  // this stage and prob_s are rewritten next
-      if constexpr (kStages<A> > 1) {  // refill the stage just consumed with the tile kStages ahead
+      if constexpr (kStages<A, kBlockM> > 1) {  // refill the stage just consumed with the tile kStages ahead
         issue(stage);
         arch::cp_async_commit();
-        lookup(j0 + (kStages<A> + 1) * kBlockN);
-        stage = stage + 1 == kStages<A> ? 0 : stage + 1;
+        lookup(j0 + (kStages<A, kBlockM> + 1) * kBlockN);
+        stage = stage + 1 == kStages<A, kBlockM> ? 0 : stage + 1;
       }
     }
-    if constexpr (kStages<A> > 1) arch::cp_async_wait<0>();
+    if constexpr (kStages<A, kBlockM> > 1) arch::cp_async_wait<0>();
 
     // Epilogue: normalize, then write out/lse (one split) or the partial state (several).
     if (my_col0 == 0) {
