@@ -9,6 +9,7 @@
 #include "mla_kv/arch.h"
 #include "mla_kv/attention.h"
 #include "mla_kv/bench.h"
+#include "mla_kv/gather.h"
 #include "mla_kv/layout.h"
 #include "mla_kv/write.h"
 
@@ -166,6 +167,28 @@ PYBIND11_MODULE(_C, m) {
     const double flops = invokeMmaThroughput(arch, dtype, blocks, iterations, as_stream(stream));
     if (flops < 0) throw std::runtime_error("mla_kv.mma_throughput: unsupported arch/dtype or launch failure");
     return flops;
+  });
+
+  // gather_kv: pointers and sizes in, the paged or block-pointer cache as the other ops take it.
+  const auto gather_params = [](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts, uintptr_t out,
+                                int64_t out_rows, int64_t out_stride) {
+    return GatherKvParams{dtype, batch, as_ptr<const int>(cu_kv_lens), as_ptr<const int>(starts),
+                          as_ptr<void>(out), out_rows, out_stride};
+  };
+  m.def("gather_kv_paged", [gather_params](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts,
+                                           uintptr_t out, int64_t out_rows, int64_t out_stride,
+                                           const PagedCache& cache, uintptr_t block_table,
+                                           int64_t block_table_stride, int max_blocks, Arch arch, uintptr_t stream) {
+    check(invokeGatherKvPaged(gather_params(dtype, batch, cu_kv_lens, starts, out, out_rows, out_stride), cache,
+                              as_ptr<const int>(block_table), block_table_stride, max_blocks, arch, as_stream(stream)),
+          "gather_kv");
+  });
+  m.def("gather_kv_blocks", [gather_params](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts,
+                                            uintptr_t out, int64_t out_rows, int64_t out_stride,
+                                            const BlockPointerCache& cache, Arch arch, uintptr_t stream) {
+    check(invokeGatherKvBlocks(gather_params(dtype, batch, cu_kv_lens, starts, out, out_rows, out_stride), cache,
+                               arch, as_stream(stream)),
+          "gather_kv");
   });
 
   m.def("compiled_cuda_archs", &compiled_cuda_archs);

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -23,7 +23,7 @@ from .layout import LATENT_DIM
 
 __all__ = [
     "split_kv_b_proj", "absorb_q", "project_out", "fold_q_b_proj", "fold_o_proj",
-    "dequantize_awq", "load_kv_b_proj",
+    "dequantize_awq", "load_kv_b_proj", "load_attention_weights",
 ]
 
 # AutoAWQ's GEMM format packs 8 output channels per int32; nibble i (bits 4i..4i+3) holds channel
@@ -188,6 +188,31 @@ def _tensor_files(path: str) -> dict:
     return names
 
 
+def _reader(path: str, device):
+    """(tensor name -> file map, read(name) -> tensor) of a .safetensors file or checkpoint directory."""
+    safe_open = _safe_open()
+    files = _tensor_files(path)
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(files[name], framework="pt", device=str(device)) as f:
+            return f.get_tensor(name)
+
+    return files, read
+
+
+def _read_linear(files: dict, read, base: str, path: str) -> torch.Tensor:
+    """The dense weight of linear layer ``base``: ``base.weight``, or its AWQ triplet dequantized."""
+    if f"{base}.weight" in files:
+        return read(f"{base}.weight")
+    if all(f"{base}.{part}" in files for part in ("qweight", "qzeros", "scales")):
+        qweight, qzeros, scales = (read(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
+        if qzeros.dim() != 2 or qzeros.shape[0] == 0 or qweight.shape[0] % qzeros.shape[0]:
+            raise ValueError(f"path: {base}.qzeros has shape {tuple(qzeros.shape)}, which does not "
+                             f"group the {qweight.shape[0]} input channels")
+        return dequantize_awq(qweight, qzeros, scales, group_size=qweight.shape[0] // qzeros.shape[0])
+    raise ValueError(f"layer: neither {base}.weight nor {base}.qweight/.qzeros/.scales is in {path}")
+
+
 def load_kv_b_proj(path: Union[str, os.PathLike], layer: int, *, prefix: str = "model.layers",
                    dtype: Optional[torch.dtype] = None, device="cpu") -> torch.Tensor:
     """Reads layer ``layer``'s kv_b_proj as a dense weight [H * (nope + v), kv_lora_rank].
@@ -198,23 +223,43 @@ def load_kv_b_proj(path: Union[str, os.PathLike], layer: int, *, prefix: str = "
     which is dequantized (group size from the shapes). The result has the stored dtype (float16 for
     AWQ) unless ``dtype`` is given.
     """
-    safe_open = _safe_open()
     path = os.fspath(path)
-    files = _tensor_files(path)
-    base = f"{prefix}.{layer}.self_attn.kv_b_proj"
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(files[name], framework="pt", device=str(device)) as f:
-            return f.get_tensor(name)
-
-    if f"{base}.weight" in files:
-        weight = read(f"{base}.weight")
-    elif all(f"{base}.{part}" in files for part in ("qweight", "qzeros", "scales")):
-        qweight, qzeros, scales = (read(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
-        if qzeros.dim() != 2 or qzeros.shape[0] == 0 or qweight.shape[0] % qzeros.shape[0]:
-            raise ValueError(f"path: {base}.qzeros has shape {tuple(qzeros.shape)}, which does not "
-                             f"group the {qweight.shape[0]} input channels")
-        weight = dequantize_awq(qweight, qzeros, scales, group_size=qweight.shape[0] // qzeros.shape[0])
-    else:
-        raise ValueError(f"layer: neither {base}.weight nor {base}.qweight/.qzeros/.scales is in {path}")
+    files, read = _reader(path, device)
+    weight = _read_linear(files, read, f"{prefix}.{layer}.self_attn.kv_b_proj", path)
     return weight if dtype is None else weight.to(dtype)
+
+
+# Tensor name endings of one module in a checkpoint: a dense linear or norm, a bias, an AWQ linear.
+_DENSE_PARTS = ("weight", "bias")
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
+
+
+def load_attention_weights(path: Union[str, os.PathLike], layer: int, *, prefix: str = "model.layers",
+                           dtype: Optional[torch.dtype] = None, device="cpu") -> Dict[str, torch.Tensor]:
+    """Reads every tensor of layer ``layer``'s ``self_attn`` module as a dense state dict.
+
+    Keys are relative to ``{prefix}.{layer}.self_attn`` ("q_a_proj.weight", "kv_a_layernorm.weight",
+    "kv_b_proj.weight", "o_proj.weight", ...), so the result loads into HF's DeepseekV2/V3 and
+    Glm4MoeLite attention modules. AWQ linears (``.qweight/.qzeros/.scales``) come back dequantized as
+    ``.weight``. Any other tensor kind (e.g. block-FP8 ``weight_scale_inv``) is a ValueError: such
+    checkpoints must be dequantized first. ``path`` as in load_kv_b_proj; stored dtypes unless
+    ``dtype`` is given.
+    """
+    path = os.fspath(path)
+    files, read = _reader(path, device)
+    base = f"{prefix}.{layer}.self_attn."
+    modules = {}
+    for name in files:
+        if name.startswith(base):
+            module, _, part = name[len(base):].rpartition(".")
+            if part not in _DENSE_PARTS + _AWQ_PARTS:
+                raise ValueError(f"path: {name} is neither a dense nor an AWQ tensor; only those are read")
+            modules.setdefault(module, set()).add(part)
+    if not modules:
+        raise ValueError(f"layer: no {base}* tensors in {path}")
+    state = {}
+    for module, parts in sorted(modules.items()):
+        state[f"{module}.weight"] = _read_linear(files, read, base + module, path)
+        if "bias" in parts:
+            state[f"{module}.bias"] = read(f"{base}{module}.bias")
+    return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}

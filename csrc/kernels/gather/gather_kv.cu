@@ -1,0 +1,62 @@
+// invokeGatherKv*: resolves the arch tag, element size and vector width, then calls the per-arch
+// launcher.
+#include <cstdint>
+
+#include "../arch/arch.cuh"
+#include "gather_kv_launch.h"
+
+namespace mla_kv {
+namespace {
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Largest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
+int64_t access_bytes(const GatherKvParams& p, const RowLayout& row, const void* base,
+                     int64_t extra_stride_bytes) {
+  const int64_t es = dtype_size(p.dtype);
+  for (int64_t bytes : {int64_t(16), 2 * es}) {
+    if (aligned(p.out, bytes) && (p.out_stride * es) % bytes == 0 && aligned(base, bytes) &&
+        extra_stride_bytes % bytes == 0 && row.row_stride_bytes % bytes == 0 &&
+        (row.latent_offset * es) % bytes == 0 && (row.rope_offset * es) % bytes == 0)
+      return bytes;
+  }
+  return 0;
+}
+
+template <class Rows>
+Status dispatch(const GatherKvParams& p, const Rows& rows, int64_t access, Arch arch, cudaStream_t stream) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat32)
+    return Status::kUnsupportedDType;
+  if (access == 0 || p.batch < 0 || p.out_rows < 0) return Status::kInvalidArgument;
+  const bool vec16 = access == 16;
+  const Arch tag = resolve_arch(arch, device_compute_capability());
+  if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  const bool wide = p.dtype == DType::kFloat32;
+  using gather_detail::launch_gather_kv;
+  // A copy has no Turing-specific code: Sm75 runs the Volta variant.
+  if (tag == Arch::kSm70 || tag == Arch::kSm75) {
+    return wide ? launch_gather_kv<arch::Sm70, uint32_t>(p, rows, vec16, stream)
+                : launch_gather_kv<arch::Sm70, uint16_t>(p, rows, vec16, stream);
+  }
+  return wide ? launch_gather_kv<arch::Sm80, uint32_t>(p, rows, vec16, stream)
+              : launch_gather_kv<arch::Sm80, uint16_t>(p, rows, vec16, stream);
+}
+
+}  // namespace
+
+Status invokeGatherKvPaged(const GatherKvParams& params, const PagedCache& cache, const int* block_table,
+                           int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
+  const int64_t access = access_bytes(params, cache.row, cache.base, cache.block_stride_bytes);
+  return dispatch(params, PagedTableRows{cache, block_table, block_table_stride, max_blocks}, access, arch,
+                  stream);
+}
+
+Status invokeGatherKvBlocks(const GatherKvParams& params, const BlockPointerCache& cache, Arch arch,
+                            cudaStream_t stream) {
+  if (cache.batch != params.batch) return Status::kInvalidArgument;
+  // Block base pointers live on the device; they must be 16-byte aligned (allocators give 256).
+  const int64_t access = access_bytes(params, cache.row, nullptr, cache.layer_offset_bytes);
+  return dispatch(params, BlockPointerTableRows{cache}, access, arch, stream);
+}
+
+}  // namespace mla_kv

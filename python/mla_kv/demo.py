@@ -1,0 +1,499 @@
+"""The end-to-end check behind ``mla-kv demo``: a few MLA attention layers run over the paged latent
+cache through the library's ops, compared step by step with HF transformers' attention module.
+
+The library side runs each layer the way an engine would::
+
+    q     = q_b_proj(RMSNorm(q_a_proj(h)))  (or q_proj(h))  -> [q_nope | q_pe] per head
+    q_lat = absorb_q(q_nope, W_UK)                          -> q = [q_lat | q_pe]   [T, H, 576]
+    fused_write_kv(kv_a_proj_with_mqa(h), ...)              RMSNorm + RoPE + paged write; rotates q_pe
+    o_lat = prefill(q, cache, ...) or decode(q, cache, ...) [T, H, 512]
+    out   = o_proj(project_out(o_lat, W_UV))
+
+and stacks layers with a residual, h <- h + out. The reference is HF's attention module of the same
+model type (Glm4MoeLiteAttention, DeepseekV2Attention, DeepseekV3Attention), eager, holding the same
+weight values and fed position embeddings by HF's own rotary module; it expands the latent per head
+and attends over the whole sequence with a causal mask, so its output at position t is the reference
+for whichever step computed t (prefill for the prompt, one decode step per later token).
+
+Weights are random with the model's real shapes (or read from a local checkpoint). The library runs in
+the demo dtype; HF runs in float32 (float64 for a float64 run) on weights rounded to the demo dtype
+first, so the comparison measures the library's arithmetic, not the rounding of the weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import ops, planner, rope
+from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM
+from .reference import rms_norm
+from .weights import absorb_q, load_attention_weights, project_out, split_kv_b_proj
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+# Largest accepted ||out - ref|| / ||ref|| per demo dtype. fp16/bf16: the kernels' tolerances.
+# fp32/fp64: HF computes RoPE angles, RMSNorm and softmax in float32 even in a float64 module, so
+# agreement is at float32 rounding (~1e-6); 1e-4 leaves room for long prompts, while a wrong weight,
+# position or scale shows as 1e-3 or more.
+TOLERANCES = {torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-4}
+
+# The attention fields of each planner preset's public HF config.json that the planner does not keep
+# (it keeps layers, heads, kv_lora_rank, qk_rope_head_dim and max_position_embeddings).
+_YARN = {"type": "yarn", "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+PRESET_ATTENTION: Dict[str, dict] = {
+    "glm-4.7-flash": dict(model_type="glm4_moe_lite", hidden_size=2048, q_lora_rank=768, qk_nope_head_dim=192,
+                          v_head_dim=256, rope_theta=1e6, rms_norm_eps=1e-5),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, q_lora_rank=None, qk_nope_head_dim=128,
+                             v_head_dim=128, rope_theta=1e4, rms_norm_eps=1e-6,
+                             rope_scaling=dict(_YARN, factor=40, mscale=0.707, mscale_all_dim=0.707)),
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, q_lora_rank=1536, qk_nope_head_dim=128,
+                        v_head_dim=128, rope_theta=1e4, rms_norm_eps=1e-6,
+                        rope_scaling=dict(_YARN, factor=40, mscale=1.0, mscale_all_dim=1.0)),
+    "kimi-k2": dict(model_type="kimi_k2", hidden_size=7168, q_lora_rank=1536, qk_nope_head_dim=128,
+                    v_head_dim=128, rope_theta=5e4, rms_norm_eps=1e-6,
+                    rope_scaling=dict(_YARN, factor=32, mscale=1.0, mscale_all_dim=1.0, beta_fast=1)),
+}
+
+# config.json keys that shape an MLA attention module; everything else (MoE, vocabulary) is ignored.
+_ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                   "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "rope_parameters",
+                   "rope_interleave", "rms_norm_eps", "max_position_embeddings", "attention_bias")
+
+
+# ------------------------------------------------------------------------------------ models
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the demo runs: a name, its HF config.json fields, the planner's view, and its weights."""
+
+    name: str
+    config: dict                      # config.json fields (the text model's, for multimodal configs)
+    model: planner.MlaModel
+    checkpoint: Optional[str] = None  # directory with .safetensors, or None for random weights
+
+
+def preset_config(name: str) -> dict:
+    """config.json fields of a planner preset: the planner's shapes plus PRESET_ATTENTION[name]."""
+    if name not in PRESET_ATTENTION:
+        raise ValueError(f"model {name!r} has no demo preset ({', '.join(PRESET_ATTENTION)})")
+    m = planner.MODELS[name]
+    return dict(PRESET_ATTENTION[name], num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                max_position_embeddings=m.max_context, kv_lora_rank=m.kv_lora_rank,
+                qk_rope_head_dim=m.qk_rope_head_dim, num_nextn_predict_layers=m.num_mtp_layers)
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name, a config.json, or a checkpoint directory (config.json + .safetensors) -> ModelSpec."""
+    model = planner.load_model(name_or_path)  # presets and paths, with the planner's error messages
+    if model.attention != "mla":
+        raise ValueError(f"model {name_or_path}: the demo runs MLA models, this one is {model.attention.upper()}")
+    if name_or_path in planner.MODELS:
+        return ModelSpec(name_or_path, preset_config(name_or_path), model)
+    directory = name_or_path if os.path.isdir(name_or_path) else os.path.dirname(name_or_path)
+    with open(os.path.join(directory, "config.json") if os.path.isdir(name_or_path) else name_or_path,
+              encoding="utf-8") as f:
+        raw = json.load(f)
+    config = raw.get("text_config") or raw
+    config.setdefault("model_type", raw.get("model_type"))
+    has_weights = os.path.isdir(name_or_path) and any(
+        f.endswith(".safetensors") for f in os.listdir(name_or_path))
+    return ModelSpec(name_or_path, config, model, checkpoint=name_or_path if has_weights else None)
+
+
+def hf_classes(model_type: str):
+    """(config class, attention class, rotary class) of HF transformers for an MLA model_type."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError("the demo compares against HF transformers: pip install transformers") from e
+    if model_type == "glm4_moe_lite":
+        from transformers import Glm4MoeLiteConfig as config_cls
+        from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
+            Glm4MoeLiteAttention as attention_cls, Glm4MoeLiteRotaryEmbedding as rotary_cls)
+    elif model_type == "deepseek_v2":
+        from transformers import DeepseekV2Config as config_cls
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+            DeepseekV2Attention as attention_cls, DeepseekV2RotaryEmbedding as rotary_cls)
+    elif model_type in ("deepseek_v3", "kimi_k2"):  # Kimi-K2 is the DeepSeek-V3 architecture
+        from transformers import DeepseekV3Config as config_cls
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3Attention as attention_cls, DeepseekV3RotaryEmbedding as rotary_cls)
+    else:
+        raise ValueError(f"model_type {model_type!r} is not an MLA model the demo knows "
+                         f"({', '.join(planner.MLA_MODEL_TYPES)})")
+    return config_cls, attention_cls, rotary_cls
+
+
+def hf_attention_config(config: dict, num_heads: Optional[int] = None):
+    """The HF config object (eager attention) of config.json fields; ``num_heads`` overrides the heads."""
+    config_cls, _, _ = hf_classes(config.get("model_type"))
+    kwargs = {k: config[k] for k in _ATTENTION_KEYS if k in config}
+    if num_heads is not None:
+        kwargs["num_attention_heads"] = num_heads
+    kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA: every head reads the one latent
+    hf_config = config_cls(**kwargs)
+    if hf_config.kv_lora_rank != LATENT_DIM or hf_config.qk_rope_head_dim != ROPE_DIM:
+        raise ValueError(f"model: the latent cache row is {LATENT_DIM} + {ROPE_DIM}; this config has "
+                         f"kv_lora_rank {hf_config.kv_lora_rank}, qk_rope_head_dim {hf_config.qk_rope_head_dim}")
+    hf_config._attn_implementation = "eager"
+    return hf_config
+
+
+def rope_style(hf_config) -> str:
+    """How the model pairs its rope dims: interleaved pairs unless the config says rope_interleave=False
+    (DeepSeek-V2's complex-number RoPE has no flag and is interleaved)."""
+    return "neox" if getattr(hf_config, "rope_interleave", None) is False else "interleaved"
+
+
+def random_attention_state(shapes: Dict[str, torch.Size], generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Random float32 weights for an attention module's parameters (name -> shape).
+
+    Projections are normal with std 1/sqrt(fan_in), so activations keep unit scale and the softmax is
+    far from uniform (nn.Linear's default init gives nearly flat attention); norm weights are
+    uniform in [0.5, 1.5], so a norm applied without its weight shows; biases are small normals.
+    """
+    state = {}
+    for name, shape in shapes.items():
+        if len(shape) == 2:
+            state[name] = torch.randn(shape, generator=generator) / math.sqrt(shape[1])
+        elif name.endswith("layernorm.weight"):
+            state[name] = torch.rand(shape, generator=generator) + 0.5
+        else:
+            state[name] = 0.1 * torch.randn(shape, generator=generator)
+    return state
+
+
+# ------------------------------------------------------------------------------ library layer
+Linear = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (weight, bias)
+
+
+class MlaLayer:
+    """One MLA attention layer run over the latent cache with the library's ops (module docstring).
+
+    Built from an HF attention module's weights (``from_hf``), cast to ``dtype``; the projections are
+    plain torch matmuls in that dtype, the norms use mla_kv.reference.rms_norm.
+    """
+
+    def __init__(self, attn: torch.nn.Module, dtype: torch.dtype):
+        def linear(module) -> Linear:
+            bias = None if module.bias is None else module.bias.detach().to(dtype)
+            return module.weight.detach().to(dtype), bias
+
+        self.num_heads, self.nope = attn.num_heads, attn.qk_nope_head_dim
+        if attn.q_lora_rank is None:
+            self.q_a, self.q_a_norm, self.q_a_eps = None, None, None
+            self.q_b = linear(attn.q_proj)
+        else:
+            self.q_a, self.q_b = linear(attn.q_a_proj), linear(attn.q_b_proj)
+            self.q_a_norm = attn.q_a_layernorm.weight.detach().to(dtype)
+            self.q_a_eps = attn.q_a_layernorm.variance_epsilon
+        self.kv_a = linear(attn.kv_a_proj_with_mqa)
+        self.kv_a_norm = attn.kv_a_layernorm.weight.detach().to(dtype)
+        self.kv_a_eps = attn.kv_a_layernorm.variance_epsilon
+        self.w_uk, self.w_uv = split_kv_b_proj(attn.kv_b_proj.weight.detach().to(dtype), attn.num_heads,
+                                               attn.qk_nope_head_dim, attn.v_head_dim, LATENT_DIM)
+        self.o = linear(attn.o_proj)
+
+    def queries(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> q [T, H, 576] = [q_lat | q_pe], q_pe not yet rotated."""
+        if self.q_a is None:
+            q = F.linear(h, *self.q_b)
+        else:
+            q = F.linear(rms_norm(F.linear(h, *self.q_a), self.q_a_norm, self.q_a_eps), *self.q_b)
+        q = q.view(h.shape[0], self.num_heads, -1)
+        return torch.cat([absorb_q(q[..., :self.nope], self.w_uk), q[..., self.nope:]], dim=-1)
+
+    def write(self, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
+              cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> None:
+        """Writes the tokens' [c_kv | k_pe] rows at ``slots`` and rotates q's rope part in place."""
+        ops.fused_write_kv(F.linear(h, *self.kv_a), self.kv_a_norm, self.kv_a_eps, positions, table, cache,
+                           slots, rope_style=style, q=q)
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, H, 512] -> the layer's output [T, hidden]."""
+        return F.linear(project_out(o_lat, self.w_uv).flatten(-2), *self.o)
+
+
+# ------------------------------------------------------------------------------------ stack
+@dataclass
+class Stack:
+    """The layers of one demo run: HF reference modules and the library layers with the same weights."""
+
+    spec: ModelSpec
+    hf_config: object
+    hf_layers: List[torch.nn.Module]
+    rotary: torch.nn.Module
+    layers: List[MlaLayer]
+    dtype: torch.dtype
+    hf_dtype: torch.dtype
+    device: torch.device
+    weights: str                     # where the weights came from, for the report
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        c = self.hf_config
+        return rope.mla_softmax_scale(c.qk_nope_head_dim, c.qk_rope_head_dim, c.rope_parameters)
+
+
+def build_stack(spec: ModelSpec, num_layers: int, dtype: torch.dtype, device, *, seed: int = 0,
+                num_heads: Optional[int] = None) -> Stack:
+    """The first ``num_layers`` attention layers of ``spec``: random weights, or the checkpoint's.
+
+    Weights are rounded to ``dtype`` and both sides hold exactly those values: the library layers in
+    ``dtype``, the HF modules in float32 (float64 for a float64 run) on ``device``.
+    """
+    if spec.checkpoint is not None and num_heads is not None:
+        raise ValueError("num_heads: a checkpoint's weights fix the heads; the override is for random weights")
+    hf_config = hf_attention_config(spec.config, num_heads)
+    _, attention_cls, rotary_cls = hf_classes(spec.config.get("model_type"))
+    hf_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    hf_layers, layers = [], []
+    for index in range(num_layers):
+        with torch.device("meta"):  # shapes only: the values come from the generator or the checkpoint
+            attn = attention_cls(hf_config, layer_idx=index)
+        shapes = {name: p.shape for name, p in attn.state_dict().items()}
+        if spec.checkpoint is None:
+            state = random_attention_state(shapes, generator)
+        else:
+            state = load_attention_weights(spec.checkpoint, index)
+            if set(state) != set(shapes):
+                raise ValueError(f"model: layer {index}'s self_attn tensors {sorted(state)} are not those of "
+                                 f"{attention_cls.__name__} {sorted(shapes)}")
+            bad = [k for k in shapes if state[k].shape != shapes[k]]
+            if bad:
+                raise ValueError(f"model: layer {index}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, "
+                                 f"the config gives {tuple(shapes[bad[0]])}")
+        attn = attn.to_empty(device=device).to(hf_dtype).eval()
+        attn.load_state_dict({k: v.to(dtype).to(hf_dtype) for k, v in state.items()})
+        hf_layers.append(attn)
+        layers.append(MlaLayer(attn, dtype))
+    rotary = rotary_cls(hf_config).to(device)
+    weights = (f"from {spec.checkpoint}" if spec.checkpoint is not None
+               else f"random (seed {seed}, std 1/sqrt(fan_in))")
+    return Stack(spec, hf_config, hf_layers, rotary, layers, dtype, hf_dtype, device, weights)
+
+
+def hf_attention(attn: torch.nn.Module, rotary: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """HF's attention output [T, hidden] for hidden [T, hidden] at positions 0..T-1, causal."""
+    tokens = hidden.shape[0]
+    positions = torch.arange(tokens, device=hidden.device)[None]
+    mask = torch.full((tokens, tokens), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)
+    out, _ = attn(hidden[None], position_embeddings=rotary(hidden, positions), attention_mask=mask[None, None])
+    return out[0]
+
+
+# -------------------------------------------------------------------------------------- run
+@dataclass
+class Phase:
+    """One step of the run: the prompt's prefill or one decode step, with each layer's error."""
+
+    name: str
+    q_tokens: int
+    kv_len: int
+    errors: List[float] = field(default_factory=list)  # ||out - ref|| / ||ref|| per layer
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors)
+
+
+@dataclass
+class DemoResult:
+    phases: List[Phase]
+    tolerance: float
+    num_blocks: int
+    timings_us: Optional[Dict[str, Tuple[str, float]]] = None  # kernel -> (shape, median microseconds)
+
+    @property
+    def failed(self) -> List[Phase]:
+        return [p for p in self.phases if not p.max_error <= self.tolerance]  # NaN fails too
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| computed in float64."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, seed: int = 0,
+        time_kernels: bool = False) -> DemoResult:
+    """Prefill of a ``prompt_len``-token prompt, then ``decode_steps`` single-token steps, each layer
+    checked against HF. The hidden states are random (seeded), the cache a paged latent cache per layer
+    with a shuffled block table, its rows filled with stale values beforehand (never read as if fresh)."""
+    total = prompt_len + decode_steps
+    device, dtype = stack.device, stack.dtype
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(total, stack.hf_config.hidden_size, generator=generator).to(dtype).to(device)
+
+    hf_out = []  # reference attention output of each layer at every position
+    with torch.no_grad():
+        h = x.to(stack.hf_dtype)
+        for attn in stack.hf_layers:
+            out = hf_attention(attn, stack.rotary, h)
+            hf_out.append(out)
+            h = h + out
+
+    num_blocks = -(-total // block_size)
+    block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None]
+    caches = [torch.randn(num_blocks + 1, block_size, ROW_DIM, generator=generator).to(dtype).to(device)
+              for _ in stack.layers]
+    block_table = block_table.to(device)
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    c = stack.hf_config
+    cos_sin = rope.cos_sin_cache(c.qk_rope_head_dim, total, scaling=c.rope_parameters, dtype=table_dtype,
+                                 device=device)
+    style, scale = rope_style(c), stack.softmax_scale
+
+    def slots_of(positions):
+        return block_table[0, positions // block_size].long() * block_size + positions % block_size
+
+    def step(name, first, last, attend):
+        """Tokens first..last-1 through every layer; attend(layer, q) -> o_lat."""
+        positions = torch.arange(first, last, device=device)
+        phase = Phase(name, last - first, last)
+        h = x[first:last]
+        for index, layer in enumerate(stack.layers):
+            q = layer.queries(h)
+            layer.write(h, positions, cos_sin, style, caches[index], slots_of(positions), q)
+            out = layer.output(attend(index, q))
+            phase.errors.append(relative_error(out, hf_out[index][first:last]))
+            h = h + out
+        return phase
+
+    def prefill(index, q):
+        cu_q_lens = torch.tensor([0, prompt_len], dtype=torch.int32, device=device)
+        kv_lens = torch.tensor([prompt_len], dtype=torch.int32, device=device)
+        return ops.prefill(q, caches[index], block_table, cu_q_lens, kv_lens, scale)[0]
+
+    def decode_at(kv_len):
+        seq_lens = torch.tensor([kv_len], dtype=torch.int32, device=device)
+        return lambda index, q: ops.decode(q[None], caches[index], block_table, seq_lens, scale)[0][0]
+
+    with torch.no_grad():
+        phases = [step("prefill", 0, prompt_len, prefill)]
+        for k in range(decode_steps):
+            position = prompt_len + k
+            phases.append(step(f"decode {k + 1}", position, position + 1, decode_at(position + 1)))
+        timings = None
+        if time_kernels:
+            timings = _time_kernels(stack.layers[0], x, prompt_len, total, cos_sin, style, scale, caches[0],
+                                    block_table, slots_of)
+    return DemoResult(phases, TOLERANCES[dtype], num_blocks, timings)
+
+
+def _time_graph_us(fn: Callable[[], object], calls: int = 10, samples: int = 11, warmup: int = 3) -> float:
+    """Median microseconds per call of fn, captured ``calls`` times in one CUDA graph (so Python and
+    launch overhead stay out) and replayed ``samples`` times between CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, cache, block_table,
+                  slots_of) -> Dict[str, Tuple[str, float]]:
+    """CUDA timings of the three ops on layer 0's inputs: the prompt's write and prefill, the last decode.
+
+    Re-running them rewrites the rows already in the cache with the same values; the write rotates a
+    scratch copy of q, so the timed prefill and decode read correctly rotated queries.
+    """
+    device = x.device
+    prompt = torch.arange(prompt_len, device=device)
+    kv_a = F.linear(x[:prompt_len], *layer.kv_a)
+    q_prompt = layer.queries(x[:prompt_len])
+    prompt_slots = slots_of(prompt)
+    ops.fused_write_kv(kv_a, layer.kv_a_norm, layer.kv_a_eps, prompt, cos_sin, cache, prompt_slots,
+                       rope_style=style, q=q_prompt)
+    last = torch.arange(total - 1, total, device=device)
+    q_last = layer.queries(x[total - 1:])
+    layer.write(x[total - 1:], last, cos_sin, style, cache, slots_of(last), q_last)
+    scratch = q_prompt.clone()
+    cu_q_lens = torch.tensor([0, prompt_len], dtype=torch.int32, device=device)
+    kv_lens = torch.tensor([prompt_len], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
+    heads = layer.num_heads
+    return {
+        "fused_write_kv": (f"{prompt_len} tokens, q {heads} heads", _time_graph_us(lambda: ops.fused_write_kv(
+            kv_a, layer.kv_a_norm, layer.kv_a_eps, prompt, cos_sin, cache, prompt_slots, rope_style=style,
+            q=scratch))),
+        "prefill": (f"{prompt_len} queries x {heads} heads, kv {prompt_len}", _time_graph_us(
+            lambda: ops.prefill(q_prompt, cache, block_table, cu_q_lens, kv_lens, scale))),
+        "decode": (f"1 query x {heads} heads, kv {total}", _time_graph_us(
+            lambda: ops.decode(q_last[None], cache, block_table, seq_lens, scale))),
+    }
+
+
+# ---------------------------------------------------------------------------------- report
+def describe(stack: Stack, block_size: int) -> List[str]:
+    """The header lines: model shapes, weights, reference."""
+    c = stack.hf_config
+    import transformers
+
+    q_path = f"q_lora {c.q_lora_rank}" if c.q_lora_rank else "no q_lora (q_proj)"
+    heads = f"{stack.num_heads} heads"
+    if stack.num_heads != stack.spec.model.num_heads:
+        heads += f" (--heads; the model has {stack.spec.model.num_heads})"
+    scaling = c.rope_parameters
+    rope_desc = f"{scaling.get('rope_type', 'default')} theta {scaling.get('rope_theta'):g}"
+    if scaling.get("factor"):
+        rope_desc += f" factor {scaling['factor']:g}"
+    return [
+        f"model        {stack.spec.name} ({stack.spec.config.get('model_type')}): hidden {c.hidden_size}, {heads}, "
+        f"{q_path}, kv_lora {c.kv_lora_rank}, nope/rope/v {c.qk_nope_head_dim}/{c.qk_rope_head_dim}/{c.v_head_dim}",
+        f"attention    RoPE {rope_desc} ({rope_style(c)}), softmax scale {stack.softmax_scale:.6g}",
+        f"stack        {len(stack.layers)} layers, h <- h + attn(h); weights {stack.weights}; "
+        f"paged latent cache, block size {block_size}, shuffled block table",
+        f"reference    HF transformers {transformers.__version__} {type(stack.hf_layers[0]).__name__} "
+        f"(eager, {str(stack.hf_dtype).replace('torch.', '')}) on the same weights",
+    ]
+
+
+def format_phases(result: DemoResult, num_layers: int) -> str:
+    """The per-phase error table and a verdict line."""
+    rows = [("phase", "q tokens", "kv len", "max rel err", "")]
+    for p in result.phases:
+        rows.append((p.name, str(p.q_tokens), str(p.kv_len), f"{p.max_error:.2e}",
+                     "ok" if p.max_error <= result.tolerance else "FAIL"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:4], widths[1:4])] + [r[4]])
+             .rstrip() for r in rows]
+    lines.append(f"rel err = ||out - ref|| / ||ref|| of the attention output, max over {num_layers} layers; "
+                 f"tolerance {result.tolerance:g}")
+    return "\n".join(lines)
+
+
+def format_timings(timings: Dict[str, Tuple[str, float]]) -> str:
+    width = max(len(k) for k in timings)
+    shape_width = max(len(s) for s, _ in timings.values())
+    lines = ["kernel timings (CUDA events over CUDA-graph replays, median)"]
+    lines += [f"{name.ljust(width)}  {shape.ljust(shape_width)}  {us:9.1f} us"
+              for name, (shape, us) in timings.items()]
+    return "\n".join(lines)

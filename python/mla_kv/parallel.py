@@ -1,0 +1,329 @@
+"""Several GPUs: head (tensor) parallelism and context parallelism over torch.distributed.
+
+Head parallelism (TP) needs no new op: rank r of tp takes the rows of its num_heads / tp heads from
+q_b_proj and kv_b_proj (``shard_heads``), keeps the whole latent cache and the same block tables, and
+runs the ordinary decode/prefill with its heads; its o_proj columns (``shard_heads(..., dim=1)``)
+give a partial hidden state that the engine all-reduces as usual. See docs/parallel.md.
+
+Context parallelism (CP): token t of a sequence lives on rank t % cp at LOCAL position t // cp
+(TurboMind's convention), so each rank caches 1/cp of every sequence and the context that fits grows
+cp-fold. Every rank computes q and kv_a for all new tokens (activations are replicated), writes only
+its own tokens (``cp_fused_write_kv``), attends over its local tokens (``cp_decode`` /
+``cp_prefill``, giving a partial (out, lse) per rank) and the partial states are merged by their
+log-sum-exp (``cp_merge``: an all-gather, then ``mla_kv.merge_states``). Each rank holds local block
+tables that map its local positions to blocks of its own cache; the lengths passed in are GLOBAL.
+
+Causal masking across ranks: a query at global position p sees global positions <= p, which on rank
+r are the ``(p + cp - r) // cp`` local positions 0, 1, ... (``cp_local_lens(p + 1)``). Along the new
+tokens of one sequence this count grows by 1 every cp positions, not every position, so it is not
+the ops' per-sequence rule "query i sees kv_len - q_len + i + 1". But the queries whose positions
+are congruent mod cp are spaced exactly cp apart, and along them the count does grow by exactly 1
+per query: each such residue class is an ordinary causal query block whose kv length is the count of
+its last query. cp_decode and cp_prefill run the ordinary kernels on those classes (min(S_q, cp)
+strided decode calls; one prefill over the B x cp classes, reordered), so no new kernel is needed
+and no query re-reads the cache more than its class does.
+
+CUDA graphs: the position/slot helpers, cp_fused_write_kv (validate=False), cp_decode and cp_prefill
+use only device tensor ops on shapes known on the host (no host synchronization), and cp_merge only
+all-gathers and merges; capturing cp_merge needs a backend whose collectives can be captured (NCCL
+can; gloo is CPU only). ``cp_local_positions(num_tokens=None)`` reads cu_q_lens[-1] on the host.
+The CPU path (the reference ops) syncs everywhere, as the reference does.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .layout import LATENT_DIM
+
+__all__ = [
+    "CpTokens", "cp_decode", "cp_fused_write_kv", "cp_local_lens", "cp_local_positions", "cp_merge",
+    "cp_prefill", "cp_slot_mapping", "merge_partial_states", "shard_heads",
+]
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_rank(size_name: str, size, rank) -> None:
+    _check_int(size_name, size, 1)
+    _check_int("rank", rank, 0)
+    if rank >= size:
+        raise ValueError(f"rank: must be < {size_name} ({size}), got {rank}")
+
+
+def _check_cu_q_lens(cu_q_lens) -> int:
+    """The batch size of cu_q_lens int32 [B + 1]."""
+    ops._tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
+    return cu_q_lens.shape[0] - 1
+
+
+def _sequence_of_tokens(cu_q_lens: torch.Tensor, num_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, index within it) of packed tokens 0..num_tokens-1, int64, on cu_q_lens's device.
+
+    Tokens at or past cu_q_lens[B] get sequence B (no sequence) and index 0.
+    """
+    cu = cu_q_lens.long()
+    token = torch.arange(num_tokens, device=cu.device)
+    seq = torch.searchsorted(cu[1:], token, right=True)  # cu[b] <= t < cu[b + 1]
+    batch = cu.shape[0] - 1
+    index = torch.where(seq < batch, token - cu[seq.clamp_max(batch - 1)], 0)
+    return seq, index
+
+
+# ------------------------------------------------------------------------------ head parallel
+def shard_heads(weight: torch.Tensor, num_heads: int, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s slice of a per-head weight under head (tensor) parallelism, as a view.
+
+    ``weight``'s dim ``dim`` holds num_heads equal groups in head order: q_b_proj.weight
+    [H * (nope + rope), q_lora] and kv_b_proj.weight [H * (nope + v), 512] along dim 0, o_proj.weight
+    [hidden, H * v] along dim 1. Rank r of tp gets heads r * H / tp .. (r + 1) * H / tp - 1, so the
+    slices of q_b_proj, kv_b_proj and o_proj of one rank describe the same heads.
+    """
+    ops._tensor("weight", weight)
+    _check_int("num_heads", num_heads, 1)
+    _check_rank("tp", tp, rank)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -weight.dim() <= dim < weight.dim():
+        raise ValueError(f"dim: must index one of weight's {weight.dim()} dims, got {dim!r}")
+    if num_heads % tp:
+        raise ValueError(f"tp: must divide num_heads ({num_heads}), got {tp}")
+    if weight.shape[dim] % num_heads:
+        raise ValueError(f"weight: dim {dim} of shape {tuple(weight.shape)} is not {num_heads} equal head groups")
+    per_rank = weight.shape[dim] // tp
+    return weight.narrow(dim, rank * per_rank, per_rank)
+
+
+# ------------------------------------------------------------------------- context parallel
+def cp_local_lens(lens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """How many of the global positions 0 .. lens - 1 live on rank ``rank`` of cp: max(0, ceil((lens - rank) / cp)).
+
+    lens: an integer tensor of any shape; returns int32 of the same shape and device. This is a
+    sequence's local length on the rank, and with lens = p + 1 the number of local positions a query
+    at global position p sees there.
+    """
+    _check_rank("cp", cp, rank)
+    if not isinstance(lens, torch.Tensor):
+        raise TypeError(f"lens: expected a torch.Tensor, got {type(lens).__name__}")
+    if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
+        raise TypeError(f"lens: expected an integer dtype, got {lens.dtype}")
+    return torch.div(lens.long() - rank + cp - 1, cp, rounding_mode="floor").clamp_min(0).to(torch.int32)
+
+
+class CpTokens(NamedTuple):
+    """Where the packed new tokens of a batch go under context parallelism, seen from one rank.
+
+    All [T] on cu_q_lens's device. Rows past cu_q_lens[B] (padding) have seq_id B, position 0 and
+    are owned by no rank.
+    """
+
+    seq_ids: torch.Tensor          # int64: the token's sequence
+    positions: torch.Tensor        # int64: its global position (what RoPE rotates by)
+    owned: torch.Tensor            # bool: it lives on this rank (position % cp == rank)
+    local_positions: torch.Tensor  # int64: position // cp, its place in this rank's cache where owned
+
+
+def cp_local_positions(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cp: int, rank: int,
+                       num_tokens: Optional[int] = None) -> CpTokens:
+    """Global and local positions of a batch's new tokens on rank ``rank`` of cp.
+
+    The new tokens are packed by sequence (cu_q_lens int32 [B + 1]); token i of sequence b is at global
+    position history_lens[b] + i (int32 [B], TurboMind's addressing), lives on rank position % cp, at
+    local position position // cp. ``num_tokens`` (T, the packed rows) defaults to cu_q_lens[B],
+    read on the host (a synchronization); pass it to stay graph-safe.
+    """
+    _check_rank("cp", cp, rank)
+    batch = _check_cu_q_lens(cu_q_lens)
+    ops._tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
+    ops._size("history_lens", history_lens, 0, batch)
+    ops._same_device(cu_q_lens=cu_q_lens, history_lens=history_lens)
+    num_tokens = int(cu_q_lens[-1]) if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
+    seq, index = _sequence_of_tokens(cu_q_lens, num_tokens)
+    valid = seq < batch
+    positions = torch.where(valid, history_lens.long()[seq.clamp_max(batch - 1)] + index, 0)
+    owned = valid & (positions % cp == rank)
+    return CpTokens(seq, positions, owned, positions // cp)
+
+
+def cp_slot_mapping(tokens: CpTokens, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot mapping (int64 [T]) of this rank's write: slots of the owned tokens, -1 for the rest.
+
+    block_table int32 [B, max_blocks] is this rank's LOCAL table (local position j of sequence b is in
+    block block_table[b, j // block_size]); tokens whose local position lies past the table get -1
+    too, so they are skipped like the ops skip padded tokens.
+    """
+    if not isinstance(tokens, CpTokens):
+        raise TypeError(f"tokens: expected mla_kv.parallel.CpTokens, got {type(tokens).__name__}")
+    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    ops._size("block_table", block_table, 1, 1, at_least=True)
+    _check_int("block_size", block_size, 1)
+    ops._same_device(block_table=block_table, positions=tokens.local_positions)
+    rows, width = block_table.shape
+    block_index = tokens.local_positions // block_size
+    inside = tokens.owned & (block_index < width) & (tokens.seq_ids < rows)
+    blocks = block_table[tokens.seq_ids.clamp_max(rows - 1), block_index.clamp_max(width - 1)].long()
+    return torch.where(inside, blocks * block_size + tokens.local_positions % block_size, -1)
+
+
+def cp_fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                      kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q_lens: torch.Tensor,
+                      history_lens: torch.Tensor, cp: int, rank: int, *, rope_style: str = "interleaved",
+                      q: Optional[torch.Tensor] = None, validate: bool = False,
+                      arch: Optional[str] = None) -> None:
+    """mla_kv.fused_write_kv under context parallelism: this rank writes only the tokens it owns.
+
+    kv_a [T, 576]: the raw kv_a projection of ALL new tokens, packed by sequence (cu_q_lens int32
+    [B + 1], history_lens int32 [B] as in cp_local_positions; rows past cu_q_lens[B] are padding);
+    kv_cache [num_blocks, block_size, 576] and block_table int32 [B, max_blocks] are this rank's local
+    cache and table. RoPE uses the global positions, and q [T, H, D] (optional) is rotated for every
+    token, owned or not, since every rank attends with all queries. One ordinary fused_write_kv launch
+    with a computed slot mapping (other ranks' tokens get slot -1). An engine writing many layers per
+    step can compute cp_local_positions / cp_slot_mapping once and call fused_write_kv per layer.
+    """
+    ops._tensor("kv_a", kv_a, dims=2)
+    ops._tensor("kv_cache", kv_cache, dims=3)
+    tokens = cp_local_positions(cu_q_lens, history_lens, cp, rank, num_tokens=kv_a.shape[0])
+    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    ops._size("block_table", block_table, 0, cu_q_lens.shape[0] - 1)
+    slots = cp_slot_mapping(tokens, block_table, kv_cache.shape[1])
+    ops.fused_write_kv(kv_a, rms_weight, eps, tokens.positions, cos_sin_cache, kv_cache, slots,
+                       rope_style=rope_style, q=q, validate=validate, arch=arch)
+
+
+def cp_decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
+              softmax_scale: float, cp: int, rank: int, *, out: Optional[torch.Tensor] = None,
+              lse: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+              schedule: Optional[ops.AttentionSchedule] = None, arch: Optional[str] = None):
+    """This rank's partial decode attention under context parallelism -> (out, lse), to cp_merge.
+
+    q [B, S_q, H, 576] as in mla_kv.decode; kv_cache / block_table: this rank's LOCAL cache (paged
+    tensor + table, or a layout.BlockPointerCache with block_table None); seq_lens int32 [B]: the
+    GLOBAL kv lengths including the S_q new tokens. Query i of sequence b (global position
+    p = seq_lens[b] - S_q + i) sees the local tokens of global positions <= p. The queries are run in
+    min(S_q, cp) residue classes i = g, g + cp, ... (strided views of q/out/lse, no copies), each an
+    ordinary decode whose visible counts grow by one per query (see the module docstring); a rank
+    with nothing visible to a query gives it out 0 and lse -inf, which the merge ignores.
+    ``schedule`` / ``workspace`` (for CUDA graphs): from attention_schedule(B, ceil(S_q / cp), H,
+    local max kv length); they serve every class call. No host synchronization.
+    """
+    _check_rank("cp", cp, rank)
+    ops._tensor("q", q, dims=4)
+    ops._tensor("seq_lens", seq_lens, dims=1, dtype=torch.int32, contiguous=True)
+    batch, s_q, heads, _ = q.shape
+    out = ops._result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, q.device)
+    lse = ops._result_tensor("lse", lse, (batch, s_q, heads), torch.float32, q.device)
+    for g in range(min(s_q, cp)):
+        last = g + (len(range(g, s_q, cp)) - 1) * cp          # the class's last query
+        class_lens = cp_local_lens(seq_lens.long() - s_q + last + 1, cp, rank)
+        ops.decode(q[:, g::cp], kv_cache, block_table, class_lens, softmax_scale, out=out[:, g::cp],
+                   lse=lse[:, g::cp], workspace=workspace, schedule=schedule, arch=arch)
+    return out, lse
+
+
+def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q_lens: torch.Tensor,
+               kv_lens: torch.Tensor, softmax_scale: float, cp: int, rank: int, *, causal: bool = True,
+               out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+               workspace: Optional[torch.Tensor] = None, schedule: Optional[ops.AttentionSchedule] = None,
+               arch: Optional[str] = None):
+    """This rank's partial prefill attention under context parallelism -> (out, lse), to cp_merge.
+
+    q [T, H, 576] packed (cu_q_lens int32 [B + 1], cu_q_lens[B] == T) as in mla_kv.prefill; kv_lens
+    int32 [B]: the GLOBAL kv lengths including the new tokens (a cached prefix of kv_len - q_len);
+    kv_cache [num_blocks, block_size, 576] / block_table int32 [B, max_blocks]: this rank's LOCAL paged
+    cache and table. Causal: a query at global position p sees the local tokens of positions <= p.
+    The queries are regrouped into the B x cp residue classes (sequence b, in-sequence index i with
+    i % cp == g), each an ordinary causal sequence over the same table row, and run by one prefill:
+    a copy of q into class order and of out/lse back. Not causal: one prefill over the local lengths.
+    ``schedule`` / ``workspace``: for B * cp sequences and T tokens. No host synchronization.
+    """
+    _check_rank("cp", cp, rank)
+    ops._tensor("q", q, dims=3)
+    batch = _check_cu_q_lens(cu_q_lens)
+    ops._tensor("kv_lens", kv_lens, dims=1, dtype=torch.int32, contiguous=True)
+    ops._size("kv_lens", kv_lens, 0, batch)
+    if not causal or cp == 1:
+        return ops.prefill(q, kv_cache, block_table, cu_q_lens, cp_local_lens(kv_lens, cp, rank), softmax_scale,
+                           causal=causal, out=out, lse=lse, workspace=workspace, schedule=schedule, arch=arch)
+    tokens, heads, _ = q.shape
+    out = ops._result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, q.device)
+    lse = ops._result_tensor("lse", lse, (tokens, heads), torch.float32, q.device)
+    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+
+    cu = cu_q_lens.long()
+    q_lens = cu[1:] - cu[:-1]
+    # Class g of a sequence holds its queries i = g, g + cp, ...: as many as positions of rank g in q_len.
+    class_q = torch.stack([cp_local_lens(q_lens, cp, g) for g in range(cp)], dim=1).long()     # [B, cp]
+    last = torch.arange(cp, device=cu.device) + (class_q - 1) * cp                            # in-sequence
+    class_kv = cp_local_lens((kv_lens.long() - q_lens)[:, None] + last + 1, cp, rank)
+    class_kv = torch.where(class_q > 0, class_kv, 0).flatten()
+    cu_class = torch.nn.functional.pad(class_q.flatten().cumsum(0), (1, 0)).to(torch.int32)
+
+    seq, index = _sequence_of_tokens(cu_q_lens, tokens)
+    to_class = cu_class.long()[seq * cp + index % cp] + index // cp     # token -> its row in class order
+    q_classes = q.new_empty((tokens, heads, q.shape[2])).index_copy_(0, to_class, q)
+    out_classes, lse_classes = ops.prefill(
+        q_classes, kv_cache, block_table.repeat_interleave(cp, dim=0), cu_class, class_kv, softmax_scale,
+        causal=True, workspace=workspace, schedule=schedule, arch=arch)
+    out.copy_(out_classes[to_class])
+    lse.copy_(lse_classes[to_class])
+    return out, lse
+
+
+def merge_partial_states(outs: torch.Tensor, lses: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                         lse: Optional[torch.Tensor] = None):
+    """Merges attention states over disjoint key sets stacked on dim 0 -> (out, lse).
+
+    outs [n, ..., D], lses [n, ...] float32 (natural log), as all-gathered from n ranks. Folded in
+    order with mla_kv.merge_states (n - 1 launches), so ranks merging the same gathered states get
+    bit-identical results; a state with lse -inf counts for nothing.
+    """
+    ops._tensor("outs", outs)
+    ops._tensor("lses", lses)
+    if outs.dim() < 2 or outs.shape[0] < 1:
+        raise ValueError(f"outs: expected [n >= 1, ..., D], got shape {tuple(outs.shape)}")
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(f"lses: shape {tuple(lses.shape)} must be outs' without the last dim "
+                         f"{tuple(outs.shape[:-1])}")
+    if outs.shape[0] == 1:
+        return (outs[0] if out is None else out.copy_(outs[0]),
+                lses[0] if lse is None else lse.copy_(lses[0]))
+    merged = outs[0], lses[0]
+    for k in range(1, outs.shape[0]):
+        last = k == outs.shape[0] - 1
+        merged = ops.merge_states(*merged, outs[k], lses[k], out=out if last else None, lse=lse if last else None)
+    return merged
+
+
+def _all_gather(gathered: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    # Flat buffers are the one form every backend takes (gloo rejects a [world, ...] output);
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered.view(-1), tensor.contiguous().view(-1), group=group)
+
+
+def cp_merge(out: torch.Tensor, lse: torch.Tensor, group=None):
+    """Merges the ranks' partial (out, lse) of cp_decode / cp_prefill -> (out, lse), on every rank.
+
+    out [..., 512], lse [...] float32 from this rank; ``group`` is the CP process group (default the
+    world), its rank order being the cp rank. Two all-gathers (out, lse) through torch.distributed, then
+    merge_partial_states: every rank gets the same full result, as replicated activations need.
+    """
+    ops._tensor("out", out)
+    ops._tensor("lse", lse, dtype=torch.float32)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return out, lse
+    outs = out.new_empty((world, *out.shape))
+    lses = lse.new_empty((world, *lse.shape))
+    _all_gather(outs, out, group)
+    _all_gather(lses, lse, group)
+    return merge_partial_states(outs, lses)
