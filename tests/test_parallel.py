@@ -176,27 +176,27 @@ def mla_attention_heads(x, q_b, kv_b, heads, positions, cos_sin, cache, table, s
 def test_head_parallel_recipe(tp):
     """Each rank: its heads' rows of q_b_proj / kv_b_proj and columns of o_proj, the whole latent
     cache and the same block table. Concatenated heads and summed o_proj partials equal one rank."""
-    f64 = dict(dtype=torch.float64)
-    q_b = torch.randn(TP_HEADS * (NOPE + 64), Q_LORA, **f64) / Q_LORA ** 0.5
-    kv_b = torch.randn(TP_HEADS * (NOPE + V), 512, **f64) / NOPE ** 0.5
-    o_proj = torch.randn(HIDDEN, TP_HEADS * V, **f64)
+    f32 = dict(dtype=torch.float32)  # mla_kv.decode's CPU path returns float32 lse (float64 q fails there)
+    q_b = torch.randn(TP_HEADS * (NOPE + 64), Q_LORA, **f32) / Q_LORA ** 0.5
+    kv_b = torch.randn(TP_HEADS * (NOPE + V), 512, **f32) / NOPE ** 0.5
+    o_proj = torch.randn(HIDDEN, TP_HEADS * V, **f32)
     batch, s_q = 3, 2
     seq_lens = torch.randint(s_q, 40, (batch,), dtype=torch.int32)
     table = torch.randperm(batch * 10).int().view(batch, 10)
-    cache = torch.randn(batch * 10, pw.BLOCK_SIZE, 576, **f64)
-    x = torch.randn(batch, s_q, Q_LORA, **f64)
+    cache = torch.randn(batch * 10, pw.BLOCK_SIZE, 576, **f32)
+    x = torch.randn(batch, s_q, Q_LORA, **f32)
     positions = seq_lens[:, None].long() - s_q + torch.arange(s_q)
-    cos_sin = mla_kv.rope.cos_sin_cache(64, 64, theta=1e4, dtype=torch.float64)
+    cos_sin = mla_kv.rope.cos_sin_cache(64, 64, theta=1e4, dtype=torch.float32)
     args = (positions, cos_sin, cache, table, seq_lens)
 
     whole = mla_attention_heads(x, q_b, kv_b, TP_HEADS, *args)
     per_rank = [mla_attention_heads(x, parallel.shard_heads(q_b, TP_HEADS, tp, r),
                                     parallel.shard_heads(kv_b, TP_HEADS, tp, r), TP_HEADS // tp, *args)
                 for r in range(tp)]
-    torch.testing.assert_close(torch.cat(per_rank, dim=2), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat(per_rank, dim=2), whole, rtol=1e-5, atol=1e-5)
     hidden = sum(o.flatten(-2) @ parallel.shard_heads(o_proj, TP_HEADS, tp, r, dim=1).t()
                  for r, o in enumerate(per_rank))
-    torch.testing.assert_close(hidden, whole.flatten(-2) @ o_proj.t(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hidden, whole.flatten(-2) @ o_proj.t(), rtol=1e-5, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- bad arguments

@@ -1,6 +1,7 @@
 """The ``mla-kv`` command line.
 
     mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--json] [--plot FILE.png]
+    mla-kv demo [--model PRESET|PATH] [--device cpu|cuda] [--layers N] [--prompt-len P] [--decode-steps N]
     mla-kv info
     mla-kv bench [--quick]
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from . import __version__, planner
+from . import __version__, demo, planner
 from .planner import GB, GiB
 
 
@@ -87,6 +89,39 @@ def _build_parser() -> _Parser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot the context that fits vs GPU memory (matplotlib)")
     p.set_defaults(run=_plan, parser=p)
+
+    p = commands.add_parser(
+        "demo", help="run MLA attention layers through the library's ops and check them against HF transformers",
+        description="Builds the first --layers attention layers of a model with its real shapes (random "
+                    "weights, or a local checkpoint's), runs a prompt (fused_write_kv + prefill) and "
+                    "--decode-steps single-token steps (fused_write_kv + decode) on a paged latent cache, and "
+                    "compares every step with HF transformers' attention module on the same weights. Exit "
+                    "code 0: every step within tolerance; 1: an error above it; 2: bad arguments.")
+    mla_presets = [name for name, m in planner.MODELS.items() if m.attention == "mla"]
+    p.add_argument("--model", default="glm-4.7-flash",
+                   help=f"a preset ({', '.join(mla_presets)}; default %(default)s), a local HF checkpoint "
+                        "directory (config.json; its *.safetensors give the weights) or a config.json")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="cuda: the CUDA kernels; cpu: the PyTorch reference ops (default: cuda when present)")
+    p.add_argument("--dtype", choices=list(demo.DTYPES),
+                   help="dtype of the library's run (default: fp32 on cpu; bf16 on cuda, fp16 below sm80); "
+                        "HF runs in fp32 (fp64 for fp64) on the same rounded weights")
+    p.add_argument("--layers", type=_positive_int, default=2, help="attention layers (default %(default)s)")
+    p.add_argument("--heads", type=_positive_int,
+                   help="override the model's attention heads (random weights only), for faster CPU runs")
+    p.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens (default %(default)s)")
+    p.add_argument("--decode-steps", type=_positive_int, default=4,
+                   help="single-token decode steps after the prompt (default %(default)s)")
+    p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,
+                   help="cache block size, also used by the plan (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default %(default)s)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="plan the cache for this GPU preset")
+    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False), metavar="GIB",
+                     help="plan the cache for a GPU of this memory (default: the current CUDA GPU)")
+    p.add_argument("--weights-gb", type=_number(0, inclusive=True), metavar="GB",
+                   help="model weight size in GB for the plan (default: a checkpoint's .safetensors, else 0)")
+    p.set_defaults(run=_demo, parser=p)
 
     p = commands.add_parser("info", help="version, built CUDA archs and compiler, GPUs and kernel variants")
     p.set_defaults(run=_info, parser=p)
@@ -209,6 +244,125 @@ def _plot(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwarg
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- demo -------------------------------------------------------------------------------------
+
+def _demo_device(args) -> tuple:
+    """(torch.device, a one-line note or None): --device, else cuda when a GPU and the kernels are there."""
+    import torch
+
+    from .ops import kernels_available
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            args.parser.error("--device cuda: no CUDA GPU found (--device cpu runs the reference ops)")
+        if not kernels_available():
+            args.parser.error("--device cuda: this mla_kv install has no CUDA kernels (--device cpu runs the "
+                              "reference ops)")
+        return torch.device("cuda", torch.cuda.current_device()), None
+    if args.device == "cpu":
+        return torch.device("cpu"), None
+    if torch.cuda.is_available() and kernels_available():
+        return torch.device("cuda", torch.cuda.current_device()), None
+    reason = "no CUDA GPU found" if not torch.cuda.is_available() else "this mla_kv install has no CUDA kernels"
+    return torch.device("cpu"), f"{reason}: running the PyTorch reference ops (mla_kv.reference) on the CPU"
+
+
+def _demo_dtype(args, device) -> str:
+    """The --dtype name, or the device's default; rejects what the CUDA kernels do not run."""
+    import torch
+
+    if device.type == "cpu":
+        return args.dtype or "fp32"
+    cc = torch.cuda.get_device_capability(device)
+    if args.dtype is None:
+        return "bf16" if cc >= (8, 0) else "fp16"
+    if args.dtype in ("fp32", "fp64"):
+        args.parser.error(f"--dtype {args.dtype}: the attention kernels run fp16 or bf16 (fp32/fp64 on --device cpu)")
+    if args.dtype == "bf16" and cc < (8, 0):
+        args.parser.error(f"--dtype bf16: the bf16 kernels need sm80 or newer, this GPU is sm_{cc[0]}{cc[1]}")
+    return args.dtype
+
+
+def _demo_plan(args, spec, dtype_name: str) -> str:
+    """The planner's view of the model: bytes per token of both layouts, and what fits on the GPU."""
+    cache_dtype = dtype_name if dtype_name in ("fp16", "bf16") else "fp16"
+    lines = []
+    if cache_dtype != dtype_name:
+        lines.append(f"(the plan is for an {cache_dtype} cache, as deployed; this run computed in {dtype_name})")
+    gpu = _gpu_memory(args) if (args.gpu or args.gpu_mem_gib) else planner.current_gpu()
+    if gpu is None:
+        per_layer = spec.model.bytes_per_token_per_layer(planner.CACHE_DTYPES[cache_dtype].itemsize, 1)
+        layers = spec.model.num_layers
+        latent, expanded = per_layer["latent"], per_layer["expanded"]
+        lines += [f"KV cache     {cache_dtype}, {layers} layers: latent {latent:,} B/token/layer "
+                  f"({latent * layers:,} B/token), expanded per-head {expanded:,} B/token/layer "
+                  f"({expanded * layers:,} B/token): {expanded // latent}x",
+                  "context      no GPU found: pass --gpu PRESET or --gpu-mem-gib N (and --weights-gb) to see "
+                  "the context that fits"]
+        return "\n".join(lines)
+    weights_gb = args.weights_gb
+    if weights_gb is None and spec.checkpoint is not None:
+        weights_gb = sum(os.path.getsize(os.path.join(spec.checkpoint, f)) for f in os.listdir(spec.checkpoint)
+                         if f.endswith(".safetensors")) / GB
+    if weights_gb is None:
+        lines.append("(weights not counted: pass --weights-gb for the model's size)")
+        weights_gb = 0.0
+    result = planner.plan(spec.model, gpu[1], weights_gb * GB, block_size=args.block_size, cache_dtype=cache_dtype)
+    lines.append(_plan_table(result, gpu[0]))
+    return "\n".join(lines)
+
+
+def _demo(args) -> int:
+    try:
+        spec = demo.resolve_model(args.model)
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+    if args.layers > spec.model.num_layers:
+        args.parser.error(f"--layers {args.layers}: {spec.name} has {spec.model.num_layers} layers")
+    if args.prompt_len + args.decode_steps > spec.model.max_context:
+        args.parser.error(f"--prompt-len + --decode-steps = {args.prompt_len + args.decode_steps} exceeds "
+                          f"{spec.name}'s max context {spec.model.max_context:,}")
+    device, note = _demo_device(args)
+    dtype_name = _demo_dtype(args, device)
+    try:
+        stack = demo.build_stack(spec, args.layers, demo.DTYPES[dtype_name], device, seed=args.seed,
+                                 num_heads=args.heads)
+    except ImportError as e:  # transformers or safetensors missing: not an argument error
+        print(f"mla-kv demo: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+
+    if device.type == "cuda":
+        import torch
+
+        cc = torch.cuda.get_device_capability(device)
+        where = f"{device}, {torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]}): the CUDA kernels"
+    else:
+        where = "cpu: the PyTorch reference ops (mla_kv.reference)"
+    if note:
+        print(note)
+    print(f"mla-kv demo  {spec.name}, {args.layers} layers, prompt {args.prompt_len} + {args.decode_steps} "
+          f"decode steps, {dtype_name} on {where}")
+    print("\n".join(demo.describe(stack, args.block_size)), end="\n\n", flush=True)
+    try:
+        result = demo.run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
+                          time_kernels=device.type == "cuda")
+    except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
+        args.parser.error(str(e))
+    print(demo.format_phases(result, args.layers), end="\n\n")
+    print(_demo_plan(args, spec, dtype_name))
+    if result.timings_us:
+        print()
+        print(demo.format_timings(result.timings_us))
+    if result.failed:
+        worst = max(p.max_error for p in result.failed)
+        print(f"mla-kv demo: error above tolerance {result.tolerance:g} in "
+              f"{', '.join(p.name for p in result.failed)} (max {worst:.2e})", file=sys.stderr)
+        return 1
+    return 0
 
 
 # ---- info -------------------------------------------------------------------------------------

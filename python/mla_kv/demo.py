@@ -95,13 +95,12 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         raise ValueError(f"model {name_or_path}: the demo runs MLA models, this one is {model.attention.upper()}")
     if name_or_path in planner.MODELS:
         return ModelSpec(name_or_path, preset_config(name_or_path), model)
-    directory = name_or_path if os.path.isdir(name_or_path) else os.path.dirname(name_or_path)
-    with open(os.path.join(directory, "config.json") if os.path.isdir(name_or_path) else name_or_path,
-              encoding="utf-8") as f:
-        raw = json.load(f)
+    is_dir = os.path.isdir(name_or_path)
+    with open(os.path.join(name_or_path, "config.json") if is_dir else name_or_path, encoding="utf-8") as f:
+        raw = json.load(f)  # valid: the planner has read it
     config = raw.get("text_config") or raw
     config.setdefault("model_type", raw.get("model_type"))
-    has_weights = os.path.isdir(name_or_path) and any(
+    has_weights = is_dir and any(
         f.endswith(".safetensors") for f in os.listdir(name_or_path))
     return ModelSpec(name_or_path, config, model, checkpoint=name_or_path if has_weights else None)
 
@@ -209,11 +208,15 @@ class MlaLayer:
         q = q.view(h.shape[0], self.num_heads, -1)
         return torch.cat([absorb_q(q[..., :self.nope], self.w_uk), q[..., self.nope:]], dim=-1)
 
-    def write(self, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
+    def latent(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> kv_a [T, 576] = [c_kv | k_pe], not yet normalized and rotated."""
+        return F.linear(h, *self.kv_a)
+
+    def write(self, kv_a: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
               cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> None:
-        """Writes the tokens' [c_kv | k_pe] rows at ``slots`` and rotates q's rope part in place."""
-        ops.fused_write_kv(F.linear(h, *self.kv_a), self.kv_a_norm, self.kv_a_eps, positions, table, cache,
-                           slots, rope_style=style, q=q)
+        """Writes the tokens' normalized, rotated rows at ``slots``; rotates q's rope part in place."""
+        ops.fused_write_kv(kv_a, self.kv_a_norm, self.kv_a_eps, positions, table, cache, slots,
+                           rope_style=style, q=q)
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [T, H, 512] -> the layer's output [T, hidden]."""
@@ -306,7 +309,8 @@ class Phase:
 
     @property
     def max_error(self) -> float:
-        return max(self.errors)
+        """The largest layer error; NaN if any layer's is NaN (max() would depend on the order)."""
+        return math.nan if any(math.isnan(e) for e in self.errors) else max(self.errors)
 
 
 @dataclass
@@ -366,7 +370,7 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
         h = x[first:last]
         for index, layer in enumerate(stack.layers):
             q = layer.queries(h)
-            layer.write(h, positions, cos_sin, style, caches[index], slots_of(positions), q)
+            layer.write(layer.latent(h), positions, cos_sin, style, caches[index], slots_of(positions), q)
             out = layer.output(attend(index, q))
             phase.errors.append(relative_error(out, hf_out[index][first:last]))
             h = h + out
@@ -427,23 +431,19 @@ def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, 
     """
     device = x.device
     prompt = torch.arange(prompt_len, device=device)
-    kv_a = F.linear(x[:prompt_len], *layer.kv_a)
-    q_prompt = layer.queries(x[:prompt_len])
-    prompt_slots = slots_of(prompt)
-    ops.fused_write_kv(kv_a, layer.kv_a_norm, layer.kv_a_eps, prompt, cos_sin, cache, prompt_slots,
-                       rope_style=style, q=q_prompt)
+    kv_a, q_prompt, prompt_slots = layer.latent(x[:prompt_len]), layer.queries(x[:prompt_len]), slots_of(prompt)
+    layer.write(kv_a, prompt, cos_sin, style, cache, prompt_slots, q_prompt)
     last = torch.arange(total - 1, total, device=device)
     q_last = layer.queries(x[total - 1:])
-    layer.write(x[total - 1:], last, cos_sin, style, cache, slots_of(last), q_last)
+    layer.write(layer.latent(x[total - 1:]), last, cos_sin, style, cache, slots_of(last), q_last)
     scratch = q_prompt.clone()
     cu_q_lens = torch.tensor([0, prompt_len], dtype=torch.int32, device=device)
     kv_lens = torch.tensor([prompt_len], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
     heads = layer.num_heads
     return {
-        "fused_write_kv": (f"{prompt_len} tokens, q {heads} heads", _time_graph_us(lambda: ops.fused_write_kv(
-            kv_a, layer.kv_a_norm, layer.kv_a_eps, prompt, cos_sin, cache, prompt_slots, rope_style=style,
-            q=scratch))),
+        "fused_write_kv": (f"{prompt_len} tokens, q {heads} heads", _time_graph_us(
+            lambda: layer.write(kv_a, prompt, cos_sin, style, cache, prompt_slots, scratch))),
         "prefill": (f"{prompt_len} queries x {heads} heads, kv {prompt_len}", _time_graph_us(
             lambda: ops.prefill(q_prompt, cache, block_table, cu_q_lens, kv_lens, scale))),
         "decode": (f"1 query x {heads} heads, kv {total}", _time_graph_us(

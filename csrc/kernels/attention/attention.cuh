@@ -356,64 +356,73 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
   }
 }
 
-// Merges the per-split partial states of the workspace into out / lse: one CTA per (token, head)
-// row. The split weights are computed once into shared memory; then each thread folds its four
-// columns over all splits with independent loads in flight.
-constexpr int kCombineThreads = kLatentDim / 4;
-
-__device__ __forceinline__ float block_reduce(float x, bool is_max, float* scratch) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, m);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kCombineThreads / 32; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-  __syncthreads();
-  return x;
-}
+// Merges the per-split partial states of the workspace into out / lse. CTA (row, chunk) owns 64
+// latent columns of one (token, head) row; its 8 warps fold disjoint sets of splits (each lane two
+// columns) with independent loads in flight, then add their sums in shared memory. Few rows with
+// many splits (one long sequence) thus still spread over many SMs.
+constexpr int kCombineWarps = 8;
+constexpr int kCombineCols = 64;
 
 template <class T>
-__global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(const AttentionParams p) {
   __shared__ float weight_s[kMaxAttentionSplits];
-  __shared__ float scratch[kCombineThreads / 32];
+  __shared__ float2 partial_s[kCombineWarps][32];
+  __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int64_t flat = blockIdx.x;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
+
   float m = -INFINITY;
-  for (int i = tid; i < p.num_splits; i += kCombineThreads) m = fmaxf(m, lses[i * total_rows + flat]);
-  m = block_reduce(m, true, scratch);
+  for (int i = tid; i < p.num_splits; i += blockDim.x) m = fmaxf(m, lses[i * total_rows + flat]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  if (lane == 0) max_s[warp] = m;
+  __syncthreads();
+  m = max_s[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) m = fmaxf(m, max_s[w]);
   float denom = 0.f;
-  for (int i = tid; i < p.num_splits; i += kCombineThreads) {
+  for (int i = tid; i < p.num_splits; i += blockDim.x) {
     const float wgt = m == -INFINITY ? 0.f : __expf(lses[i * total_rows + flat] - m);
     weight_s[i] = wgt;
     denom += wgt;
   }
-  denom = block_reduce(denom, false, scratch);  // its barrier also publishes weight_s
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, d);
+  if (lane == 0) sum_s[warp] = denom;
+  __syncthreads();  // also publishes weight_s
+  denom = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; ++w) denom += sum_s[w];
+
+  const int col = blockIdx.y * kCombineCols + lane * 2;
+  float2 o = make_float2(0.f, 0.f);
 #pragma unroll 4
-  for (int i = 0; i < p.num_splits; ++i) {
+  for (int i = warp; i < p.num_splits; i += kCombineWarps) {
     const float wgt = weight_s[i];
     if (wgt == 0.f) continue;  // an empty split's partial is never read
-    const float4 x = *reinterpret_cast<const float4*>(parts + (i * total_rows + flat) * kLatentDim + tid * 4);
-    o.x += wgt * x.x; o.y += wgt * x.y; o.z += wgt * x.z; o.w += wgt * x.w;
+    const float2 x = *reinterpret_cast<const float2*>(parts + (i * total_rows + flat) * kLatentDim + col);
+    o.x += wgt * x.x;
+    o.y += wgt * x.y;
+  }
+  partial_s[warp][lane] = o;
+  __syncthreads();
+  if (warp != 0) return;
+  for (int w = 1; w < kCombineWarps; ++w) {
+    o.x += partial_s[w][lane].x;
+    o.y += partial_s[w][lane].y;
   }
   const int64_t token = flat / p.num_heads;
   const int h = int(flat - token * p.num_heads);
   int64_t b = 0, t = token;
   if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
-  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + tid * 4;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + col;
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
   dst[0] = arch::from_float<T>(o.x * inv);
   dst[1] = arch::from_float<T>(o.y * inv);
-  dst[2] = arch::from_float<T>(o.z * inv);
-  dst[3] = arch::from_float<T>(o.w * inv);
-  if (tid == 0)
+  if (lane == 0 && blockIdx.y == 0)
     p.lse[b * p.lse_stride_b + t * p.lse_stride_t + int64_t(h) * p.lse_stride_h] =
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
@@ -434,7 +443,8 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
   if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
-  combine_splits_kernel<T><<<unsigned(p.total_q_tokens * p.num_heads), kCombineThreads, 0, stream>>>(p);
+  const dim3 grid(unsigned(p.total_q_tokens * p.num_heads), kLatentDim / kCombineCols);
+  combine_splits_kernel<T><<<grid, kCombineWarps * 32, 0, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
