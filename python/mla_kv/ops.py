@@ -253,7 +253,7 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
 
 
 # ------------------------------------------------------------------ write, block pointers
-def _check_blocks(cache, cu_q_lens, history_lens, dtype) -> None:
+def _check_block_pointer_cache(cache, dtype) -> None:
     if not isinstance(cache, BlockPointerCache):
         raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
     if cache.dtype != dtype:
@@ -271,6 +271,10 @@ def _check_blocks(cache, cu_q_lens, history_lens, dtype) -> None:
     if cache.layer_offset_bytes < 0 or cache.layer_offset_bytes % 16:
         raise ValueError(f"cache.layer_offset_bytes: must be a non-negative multiple of 16, "
                          f"got {cache.layer_offset_bytes}")
+
+
+def _check_blocks(cache, cu_q_lens, history_lens, dtype) -> None:
+    _check_block_pointer_cache(cache, dtype)
     _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
     _size("cu_q_lens", cu_q_lens, 0, cache.batch + 1)
@@ -476,7 +480,7 @@ def _validate_table(table_name, lens_name, lens, q_lens, blocks_have, block_size
                          f"{-(-int(lens[b]) // block_size)} blocks of {block_size}")
 
 
-def _check_block_table(block_table, batch, kv_cache):
+def _check_block_table(block_table, batch):
     _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
     _size("block_table", block_table, 0, batch)
 
@@ -498,7 +502,7 @@ def _check_attention_inputs(q, cache, block_table, batch, device_tensors):
         _check_paged_cache(cache)
         if cache.dtype != q.dtype:
             raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
-        _check_block_table(block_table, batch, cache)
+        _check_block_table(block_table, batch)
     for name, t in (("q", q), ("kv_cache", None if isinstance(cache, BlockPointerCache) else cache)):
         if t is not None and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1])):
             raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
@@ -507,17 +511,9 @@ def _check_attention_inputs(q, cache, block_table, batch, device_tensors):
 
 
 def _check_blocks_read(cache, dtype, batch) -> None:
-    if not isinstance(cache, BlockPointerCache):
-        raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
-    if cache.dtype != dtype:
-        raise TypeError(f"cache: dtype {cache.dtype} differs from q's {dtype}")
-    _tensor("cache.block_ptrs", cache.block_ptrs, dims=1, dtype=torch.int64, contiguous=True)
-    _tensor("cache.cu_block_nums", cache.cu_block_nums, dims=1, dtype=torch.int32, contiguous=True)
+    _check_block_pointer_cache(cache, dtype)
     if cache.batch != batch:
         raise ValueError(f"cache.cu_block_nums: describes {cache.batch} sequences, q has {batch}")
-    if cache.row_stride_bytes % 16 or cache.layer_offset_bytes % 16 or cache.block_seq_len < 1:
-        raise ValueError("cache: row_stride_bytes and layer_offset_bytes must be multiples of 16 and "
-                         "block_seq_len >= 1")
 
 
 def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
