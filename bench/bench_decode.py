@@ -30,7 +30,7 @@ def torch_native_decode(q, cache, table, lens, scale, ctx):
     return torch.matmul(probs, rows[..., :512])
 
 
-def run_case(batch, ctx, heads, dtype, layout, gen):
+def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
     blocks_per_seq = ctx // PAGE
     nbytes = batch * ctx * 576 * 2
     variants = common.variants_for(nbytes, cap=8)
@@ -41,7 +41,7 @@ def run_case(batch, ctx, heads, dtype, layout, gen):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
     scale = 1 / math.sqrt(192)
-    schedule = mla_kv.attention_schedule(batch, 1, heads, blocks_per_seq * PAGE)
+    schedule = mla_kv.attention_schedule(batch, 1, heads, blocks_per_seq * PAGE, arch=arch)
     workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
     out = torch.empty(batch, 1, heads, 512, device="cuda", dtype=dtype)
     lse = torch.empty(batch, 1, heads, device="cuda")
@@ -51,17 +51,17 @@ def run_case(batch, ctx, heads, dtype, layout, gen):
             cu_block_nums=torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * blocks_per_seq,
             block_seq_len=PAGE, layer_offset_bytes=0, dtype=dtype, rope_first=False) for c in caches]
         fn = lambda i: mla_kv.decode(q, ptr_sets[i], None, lens, scale, out=out, lse=lse, workspace=workspace,
-                                     schedule=schedule)
+                                     schedule=schedule, arch=arch)
     else:
         fn = lambda i: mla_kv.decode(q, caches[i], table, lens, scale, out=out, lse=lse, workspace=workspace,
-                                     schedule=schedule)
+                                     schedule=schedule, arch=arch)
     sec = common.time_graph(fn, variants, calls=10, samples=11)
     native = None
     if layout == "paged" and batch * ctx <= 1 << 20:
         native = common.time_eager(lambda i: torch_native_decode(q, caches[i], table, lens, scale, ctx), variants,
                                    calls=3, samples=5)
     flops = batch * heads * ctx * 2176
-    return {"layout": layout, "dtype": str(dtype).split(".")[1], "B": batch, "ctx": ctx, "H": heads,
+    return {"arch": arch or "auto", "layout": layout, "dtype": str(dtype).split(".")[1], "B": batch, "ctx": ctx, "H": heads,
             "splits": schedule.num_splits, "ms": sec * 1e3, "GB/s": nbytes / sec / 1e9,
             "TFLOP/s": flops / sec / 1e12, "native_ms": native * 1e3 if native else None,
             "native_GB/s": nbytes / native / 1e9 if native else None}
@@ -71,32 +71,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
-    ap.add_argument("--arch", default=None)
+    ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80"],
+                    help="force a kernel variant (sm70 on a newer GPU shows the Volta code path's cost)")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and mla_kv.kernels_available()):
         print("bench_decode: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = common.copy_bandwidth()
-    ceilings = {d: common.mma_ceiling(d) for d in (torch.float16, torch.bfloat16)}
+    dtypes = (torch.float16,) if args.arch in ("sm70", "sm75") else (torch.float16, torch.bfloat16)
+    ceilings = {d: common.mma_ceiling(d, args.arch) for d in dtypes}
     if args.quick:
-        grid = [(64, 4096, h, torch.bfloat16, "paged") for h in (16, 20, 64, 128)]
-        grid += [(1, 32768, 20, torch.bfloat16, "paged"), (8, 32768, 20, torch.bfloat16, "paged"),
-                 (64, 4096, 20, torch.float16, "blocks")]
+        d = dtypes[-1]
+        grid = [(64, 4096, h, d, "paged") for h in (16, 20, 64, 128)]
+        grid += [(1, 32768, 20, d, "paged"), (8, 32768, 20, d, "paged"), (64, 4096, 20, torch.float16, "blocks")]
     else:
-        grid = [(b, c, h, d, lay) for d in (torch.float16, torch.bfloat16) for lay in ("paged", "blocks")
+        grid = [(b, c, h, d, lay) for d in dtypes for lay in ("paged", "blocks")
                 for h in (16, 20, 64, 128) for b in (1, 8, 64, 256) for c in (512, 4096, 32768)
                 if lay == "paged" or (h in (20, 128) and c == 4096)]
     rows = []
     for b, c, h, d, lay in grid:
-        r = run_case(b, c, h, d, lay, gen)
+        r = run_case(b, c, h, d, lay, gen, args.arch)
         r["% copy"] = 100 * r["GB/s"] * 1e9 / copy_bw
         r["% mma"] = 100 * r["TFLOP/s"] * 1e12 / ceilings[d]
         rows.append(r)
         torch.cuda.empty_cache()
     print(f"device copy bandwidth (read+write): {copy_bw / 1e9:,.0f} GB/s; mma.sync ceiling: "
           + ", ".join(f"{str(d).split('.')[1]} {v / 1e12:,.0f} TFLOP/s" for d, v in ceilings.items()))
-    common.print_table(rows, ["layout", "dtype", "B", "ctx", "H", "splits", "ms", "GB/s", "% copy", "TFLOP/s",
+    common.print_table(rows, ["arch", "layout", "dtype", "B", "ctx", "H", "splits", "ms", "GB/s", "% copy", "TFLOP/s",
                               "% mma", "native_ms", "native_GB/s"])
     common.write_json(args.json, {"device": common.device_info(), "copy_GBps": copy_bw / 1e9,
                                   "mma_TFLOPs": {str(k): v / 1e12 for k, v in ceilings.items()}, "rows": rows})

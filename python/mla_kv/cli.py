@@ -105,7 +105,7 @@ def _build_parser() -> _Parser:
                    help="cuda: the CUDA kernels; cpu: the PyTorch reference ops (default: cuda when present)")
     p.add_argument("--dtype", choices=list(demo.DTYPES),
                    help="dtype of the library's run (default: fp32 on cpu; bf16 on cuda, fp16 below sm80); "
-                        "HF runs in fp32 (fp64 for fp64) on the same rounded weights")
+                        "HF runs in fp32 on the same weights, rounded to this dtype")
     p.add_argument("--layers", type=_positive_int, default=2, help="attention layers (default %(default)s)")
     p.add_argument("--heads", type=_positive_int,
                    help="override the model's attention heads (random weights only), for faster CPU runs")
@@ -278,8 +278,8 @@ def _demo_dtype(args, device) -> str:
     cc = torch.cuda.get_device_capability(device)
     if args.dtype is None:
         return "bf16" if cc >= (8, 0) else "fp16"
-    if args.dtype in ("fp32", "fp64"):
-        args.parser.error(f"--dtype {args.dtype}: the attention kernels run fp16 or bf16 (fp32/fp64 on --device cpu)")
+    if args.dtype == "fp32":
+        args.parser.error("--dtype fp32: the attention kernels run fp16 or bf16 (fp32 runs on --device cpu)")
     if args.dtype == "bf16" and cc < (8, 0):
         args.parser.error(f"--dtype bf16: the bf16 kernels need sm80 or newer, this GPU is sm_{cc[0]}{cc[1]}")
     return args.dtype
@@ -324,6 +324,8 @@ def _demo(args) -> int:
     if args.prompt_len + args.decode_steps > spec.model.max_context:
         args.parser.error(f"--prompt-len + --decode-steps = {args.prompt_len + args.decode_steps} exceeds "
                           f"{spec.name}'s max context {spec.model.max_context:,}")
+    if args.heads is not None and spec.checkpoint is not None:
+        args.parser.error(f"--heads: {spec.name}'s weights fix the heads; the override is for random weights")
     device, note = _demo_device(args)
     dtype_name = _demo_dtype(args, device)
     try:

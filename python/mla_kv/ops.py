@@ -120,6 +120,7 @@ def _check_rows(kv_c, k_pe, num_tokens: int, dtype) -> None:
 
 
 def _check_paged_cache(kv_cache) -> None:
+    _tensor("kv_cache", kv_cache)
     dtypes = _DTYPES if kv_cache.device.type == "cuda" else (*_DTYPES, torch.float64)
     _tensor("kv_cache", kv_cache, dims=3, dtypes=dtypes, last_contiguous=True)
     _size("kv_cache", kv_cache, 2, ROW_DIM)
@@ -400,6 +401,7 @@ def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: in
 
 def _check_q(q, dims) -> None:
     # The kernels take fp16/bf16; the CPU reference any float dtype (float64 for checking).
+    _tensor("q", q)
     dtypes = (torch.float16, torch.bfloat16) if q.device.type == "cuda" else (*_DTYPES, torch.float64)
     _tensor("q", q, dims=dims, dtypes=dtypes, last_contiguous=True)
     _size("q", q, dims - 1, ROW_DIM)
@@ -665,7 +667,7 @@ def _check_gather_cache(kv_cache, block_table, batch) -> None:
                              "cache.cu_block_nums)")
         if kv_cache.dtype not in _DTYPES:
             raise TypeError(f"cache: dtype must be one of {', '.join(map(str, _DTYPES))}, got {kv_cache.dtype}")
-        _check_blocks_read(kv_cache, kv_cache.dtype, kv_cache.batch)
+        _check_block_pointer_cache(kv_cache, kv_cache.dtype)
         if kv_cache.batch != batch:
             raise ValueError(f"cu_kv_lens: describes {batch} sequences, cache.cu_block_nums {kv_cache.batch}")
     elif not isinstance(kv_cache, torch.Tensor):
@@ -673,7 +675,7 @@ def _check_gather_cache(kv_cache, block_table, batch) -> None:
                         f"got {type(kv_cache).__name__}")
     else:
         _check_paged_cache(kv_cache)
-        _check_block_table(block_table, batch, kv_cache)
+        _check_block_table(block_table, batch)
 
 
 def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows) -> None:
@@ -722,10 +724,10 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     rows < total_kv and returned whole; rows past total_kv are left untouched. Without ``out`` the
     result is allocated, which reads cu_kv_lens[B] on the host (a sync; pass ``out`` in CUDA graphs).
     Without ``validate`` the kernel leaves rows the cache does not cover (block table too short, block
-    ids outside the cache, negative positions) untouched and fill only the first N rows of an ``out``
-    shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and fp32 run on every arch tag
-    (``arch`` forces "sm70", "sm75" or "sm80" for testing). CPU tensors run the reference, which
-    always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
+    ids outside the cache, negative positions) untouched and fills only the first N rows of an ``out``
+    shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and
+    fp32 run on every arch tag (``arch`` forces "sm70", "sm75" or "sm80" for testing). CPU tensors run
+    the reference, which always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_kv_lens.shape[0] < 2:
@@ -743,12 +745,12 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
                              "cache.cu_block_nums": kv_cache.cu_block_nums if blocks else None,
                              "kv_cache": None if blocks else kv_cache,
                              "block_table": None if blocks else block_table, "out": out})
+    if blocks and device.type != "cuda":
+        raise ValueError("cache: block-pointer ops run on CUDA tensors only; on the CPU use "
+                         "mla_kv.reference.gather_kv_blocks with a layout.BlockPool")
+    if validate:
+        _validate_gather(kv_cache, block_table, cu_kv_lens, starts, None if out is None else out.shape[0])
     if device.type != "cuda":
-        if blocks:
-            raise ValueError("cache: block-pointer ops run on CUDA tensors only; on the CPU use "
-                             "mla_kv.reference.gather_kv_blocks with a layout.BlockPool")
-        if validate:
-            _validate_gather(kv_cache, block_table, cu_kv_lens, starts, None if out is None else out.shape[0])
         rows = reference.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts)
         if out is None:
             return rows
@@ -756,8 +758,6 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
         out[:rows.shape[0]].copy_(rows)
         return out
     tag = _kernel_arch(device, torch.float16, arch)  # a copy: every dtype runs on every tag
-    if validate:
-        _validate_gather(kv_cache, block_table, cu_kv_lens, starts, None if out is None else out.shape[0])
     if out is None:
         total = int(cu_kv_lens[-1])
         if total < 0:
