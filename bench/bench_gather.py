@@ -41,11 +41,13 @@ def run_case(rows, dtype, layout, gen):
     cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq_rows
     native = None
     if layout == "blocks":
+        storage = caches  # the pointers below do not keep their tensors alive
         caches = [BlockPointerCache(
             block_ptrs=c.data_ptr() + table.view(-1).long() * c.stride(0) * c.element_size(),
             cu_block_nums=torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * blocks_per_seq,
-            block_seq_len=PAGE, layer_offset_bytes=0, dtype=dtype, rope_first=True) for c in caches]
+            block_seq_len=PAGE, layer_offset_bytes=0, dtype=dtype, rope_first=True) for c in storage]
         sec = common.time_graph(lambda i: mla_kv.gather_kv(caches[i], None, cu, out=outs[i]), variants)
+        del storage
     else:
         sec = common.time_graph(lambda i: mla_kv.gather_kv(caches[i], table, cu, out=outs[i]), variants)
         # What an engine does without the op: whole pages through the block table, into the same out.
