@@ -290,7 +290,7 @@ def _demo_plan(args, spec, dtype_name: str) -> str:
     cache_dtype = dtype_name if dtype_name in ("fp16", "bf16") else "fp16"
     lines = []
     if cache_dtype != dtype_name:
-        lines.append(f"(the plan is for an {cache_dtype} cache, as deployed; this run computed in {dtype_name})")
+        lines.append(f"(planned for an {cache_dtype} cache, as deployed; this run's cache is {dtype_name})")
     gpu = _gpu_memory(args) if (args.gpu or args.gpu_mem_gib) else planner.current_gpu()
     if gpu is None:
         per_layer = spec.model.bytes_per_token_per_layer(planner.CACHE_DTYPES[cache_dtype].itemsize, 1)
@@ -346,15 +346,15 @@ def _demo(args) -> int:
         where = "cpu: the PyTorch reference ops (mla_kv.reference)"
     if note:
         print(note)
-    print(f"mla-kv demo  {spec.name}, {args.layers} layers, prompt {args.prompt_len} + {args.decode_steps} "
-          f"decode steps, {dtype_name} on {where}")
+    print(f"mla-kv demo  {spec.name}: prompt {args.prompt_len}, decode steps {args.decode_steps}, {dtype_name} "
+          f"on {where}")
     print("\n".join(demo.describe(stack, args.block_size)), end="\n\n", flush=True)
     try:
         result = demo.run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
                           time_kernels=device.type == "cuda")
     except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
         args.parser.error(str(e))
-    print(demo.format_phases(result, args.layers), end="\n\n")
+    print(demo.format_phases(result), end="\n\n")
     print(_demo_plan(args, spec, dtype_name))
     if result.timings_us:
         print()

@@ -15,16 +15,18 @@ weight values and fed position embeddings by HF's own rotary module; it expands 
 and attends over the whole sequence with a causal mask, so its output at position t is the reference
 for whichever step computed t (prefill for the prompt, one decode step per later token).
 
-Weights are random with the model's real shapes (or read from a local checkpoint). The library runs in
-the demo dtype; HF runs in float32 on weights rounded to the demo dtype
-first, so the comparison measures the library's arithmetic, not the rounding of the weights.
+Weights are random with the model's real shapes (or read from a local checkpoint), rounded to the demo
+dtype, and both sides hold exactly those values. The library's ops run in the demo dtype (cache rows,
+queries and attention output in fp16/bf16 on CUDA); the projections around them, which are an
+engine's GEMMs rather than this library's, run in float32 like the HF reference. So the error shown is
+that of the library: its cache dtype, its fused write and its attention kernels.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops, planner, rope
+from .timing import time_graph
 from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM
 from .reference import rms_norm
 from .weights import absorb_q, load_attention_weights, project_out, split_kv_b_proj
@@ -103,17 +106,14 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         raw = json.load(f)  # valid: the planner has read it
     config = raw.get("text_config") or raw
     config.setdefault("model_type", raw.get("model_type"))
-    has_weights = is_dir and any(
-        f.endswith(".safetensors") for f in os.listdir(name_or_path))
+    has_weights = is_dir and any(f.endswith(".safetensors") for f in os.listdir(name_or_path))
     return ModelSpec(name_or_path, config, model, checkpoint=name_or_path if has_weights else None)
 
 
 def hf_classes(model_type: str):
     """(config class, attention class, rotary class) of HF transformers for an MLA model_type."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ImportError("the demo compares against HF transformers: pip install transformers") from e
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("the demo compares against HF transformers: pip install transformers")
     if model_type == "glm4_moe_lite":
         from transformers import Glm4MoeLiteConfig as config_cls
         from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
@@ -178,42 +178,43 @@ Linear = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (weight, bias)
 class MlaLayer:
     """One MLA attention layer run over the latent cache with the library's ops (module docstring).
 
-    Built from an HF attention module's weights (``from_hf``), cast to ``dtype``; the projections are
-    plain torch matmuls in that dtype, the norms use mla_kv.reference.rms_norm.
+    The projections around the ops are an engine's GEMMs, not this library's: they run in float32 on
+    the HF module's own (already rounded) weights, and what they hand to the ops (kv_a, q) is rounded
+    to ``dtype``, as an engine's would be. So the error measured is the library's: the cache rows and
+    queries in ``dtype``, the fused write, the attention kernels and their output in ``dtype``.
     """
 
     def __init__(self, attn: torch.nn.Module, dtype: torch.dtype):
         def linear(module) -> Linear:
-            bias = None if module.bias is None else module.bias.detach().to(dtype)
-            return module.weight.detach().to(dtype), bias
+            return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
-        self.num_heads, self.nope = attn.num_heads, attn.qk_nope_head_dim
+        self.dtype, self.num_heads, self.nope = dtype, attn.num_heads, attn.qk_nope_head_dim
         if attn.q_lora_rank is None:
             self.q_a, self.q_a_norm, self.q_a_eps = None, None, None
             self.q_b = linear(attn.q_proj)
         else:
             self.q_a, self.q_b = linear(attn.q_a_proj), linear(attn.q_b_proj)
-            self.q_a_norm = attn.q_a_layernorm.weight.detach().to(dtype)
+            self.q_a_norm = attn.q_a_layernorm.weight.detach()
             self.q_a_eps = attn.q_a_layernorm.variance_epsilon
         self.kv_a = linear(attn.kv_a_proj_with_mqa)
-        self.kv_a_norm = attn.kv_a_layernorm.weight.detach().to(dtype)
+        self.kv_a_norm = attn.kv_a_layernorm.weight.detach().to(dtype)  # an op input: the cache's dtype
         self.kv_a_eps = attn.kv_a_layernorm.variance_epsilon
-        self.w_uk, self.w_uv = split_kv_b_proj(attn.kv_b_proj.weight.detach().to(dtype), attn.num_heads,
+        self.w_uk, self.w_uv = split_kv_b_proj(attn.kv_b_proj.weight.detach(), attn.num_heads,
                                                attn.qk_nope_head_dim, attn.v_head_dim, LATENT_DIM)
         self.o = linear(attn.o_proj)
 
     def queries(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] -> q [T, H, 576] = [q_lat | q_pe], q_pe not yet rotated."""
+        """h [T, hidden] -> q [T, H, 576] = [q_lat | q_pe] in ``dtype``, q_pe not yet rotated."""
         if self.q_a is None:
             q = F.linear(h, *self.q_b)
         else:
             q = F.linear(rms_norm(F.linear(h, *self.q_a), self.q_a_norm, self.q_a_eps), *self.q_b)
         q = q.view(h.shape[0], self.num_heads, -1)
-        return torch.cat([absorb_q(q[..., :self.nope], self.w_uk), q[..., self.nope:]], dim=-1)
+        return torch.cat([absorb_q(q[..., :self.nope], self.w_uk), q[..., self.nope:]], dim=-1).to(self.dtype)
 
     def latent(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] -> kv_a [T, 576] = [c_kv | k_pe], not yet normalized and rotated."""
-        return F.linear(h, *self.kv_a)
+        """h [T, hidden] -> kv_a [T, 576] = [c_kv | k_pe] in ``dtype``, not yet normalized and rotated."""
+        return F.linear(h, *self.kv_a).to(self.dtype)
 
     def write(self, kv_a: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
               cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> None:
@@ -222,8 +223,8 @@ class MlaLayer:
                            rope_style=style, q=q)
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [T, H, 512] -> the layer's output [T, hidden]."""
-        return F.linear(project_out(o_lat, self.w_uv).flatten(-2), *self.o)
+        """o_lat [T, H, 512] (``dtype``) -> the layer's output [T, hidden] in float32."""
+        return F.linear(project_out(o_lat.to(self.w_uv.dtype), self.w_uv).flatten(-2), *self.o)
 
 
 # ------------------------------------------------------------------------------------ stack
@@ -254,8 +255,8 @@ def build_stack(spec: ModelSpec, num_layers: int, dtype: torch.dtype, device, *,
                 num_heads: Optional[int] = None) -> Stack:
     """The first ``num_layers`` attention layers of ``spec``: random weights, or the checkpoint's.
 
-    Weights are rounded to ``dtype`` and both sides hold exactly those values: the library layers in
-    ``dtype``, the HF modules in HF_DTYPE (float32) on ``device``.
+    Weights are rounded to ``dtype`` (the precision a deployment stores them in) and held in HF_DTYPE by
+    the HF modules on ``device``; the library layers use those same tensors (MlaLayer).
     """
     if spec.checkpoint is not None and num_heads is not None:
         raise ValueError("num_heads: a checkpoint's weights fix the heads; the override is for random weights")
@@ -318,7 +319,6 @@ class Phase:
 class DemoResult:
     phases: List[Phase]
     tolerance: float
-    num_blocks: int
     timings_us: Optional[Dict[str, Tuple[str, float]]] = None  # kernel -> (shape, median microseconds)
 
     @property
@@ -335,26 +335,26 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, seed: int = 0,
         time_kernels: bool = False) -> DemoResult:
     """Prefill of a ``prompt_len``-token prompt, then ``decode_steps`` single-token steps, each layer
-    checked against HF. The hidden states are random (seeded), the cache a paged latent cache per layer
-    with a shuffled block table, its rows filled with stale values beforehand (never read as if fresh)."""
+    checked against HF. The hidden states are random (seeded); each layer has a paged latent cache with
+    a shuffled block table and one spare block, its rows filled beforehand with stale values that the
+    ops must not read."""
     total = prompt_len + decode_steps
     device, dtype = stack.device, stack.dtype
     generator = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(total, stack.hf_config.hidden_size, generator=generator).to(dtype).to(device)
+    x = torch.randn(total, stack.hf_config.hidden_size, generator=generator).to(device)  # float32, as HF
 
     hf_out = []  # reference attention output of each layer at every position
     with torch.no_grad():
-        h = x.to(HF_DTYPE)
+        h = x
         for attn in stack.hf_layers:
             out = hf_attention(attn, stack.rotary, h)
             hf_out.append(out)
             h = h + out
 
     num_blocks = -(-total // block_size)
-    block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None]
+    block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None].to(device)
     caches = [torch.randn(num_blocks + 1, block_size, ROW_DIM, generator=generator).to(dtype).to(device)
               for _ in stack.layers]
-    block_table = block_table.to(device)
     c = stack.hf_config
     cos_sin = rope.cos_sin_cache(c.qk_rope_head_dim, total, scaling=c.rope_parameters, dtype=torch.float32,
                                  device=device)
@@ -364,7 +364,7 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
         return block_table[0, positions // block_size].long() * block_size + positions % block_size
 
     def step(name, first, last, attend):
-        """Tokens first..last-1 through every layer; attend(layer, q) -> o_lat."""
+        """Tokens first..last-1 through every layer; attend(layer index, q) -> o_lat."""
         positions = torch.arange(first, last, device=device)
         phase = Phase(name, last - first, last)
         h = x[first:last]
@@ -394,32 +394,7 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
         if time_kernels:
             timings = _time_kernels(stack.layers[0], x, prompt_len, total, cos_sin, style, scale, caches[0],
                                     block_table, slots_of)
-    return DemoResult(phases, TOLERANCES[dtype], num_blocks, timings)
-
-
-def _time_graph_us(fn: Callable[[], object], calls: int = 10, samples: int = 11, warmup: int = 3) -> float:
-    """Median microseconds per call of fn, captured ``calls`` times in one CUDA graph (so Python and
-    launch overhead stay out) and replayed ``samples`` times between CUDA events."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return DemoResult(phases, TOLERANCES[dtype], timings)
 
 
 def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, cache, block_table,
@@ -442,21 +417,21 @@ def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, 
     seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
     heads = layer.num_heads
     return {
-        "fused_write_kv": (f"{prompt_len} tokens, q {heads} heads", _time_graph_us(
-            lambda: layer.write(kv_a, prompt, cos_sin, style, cache, prompt_slots, scratch))),
-        "prefill": (f"{prompt_len} queries x {heads} heads, kv {prompt_len}", _time_graph_us(
-            lambda: ops.prefill(q_prompt, cache, block_table, cu_q_lens, kv_lens, scale))),
-        "decode": (f"1 query x {heads} heads, kv {total}", _time_graph_us(
-            lambda: ops.decode(q_last[None], cache, block_table, seq_lens, scale))),
+        "fused_write_kv": (f"{prompt_len} tokens, q {heads} heads", 1e6 * time_graph(
+            lambda _: layer.write(kv_a, prompt, cos_sin, style, cache, prompt_slots, scratch), calls=10, samples=11)),
+        "prefill": (f"{prompt_len} queries x {heads} heads, kv {prompt_len}", 1e6 * time_graph(
+            lambda _: ops.prefill(q_prompt, cache, block_table, cu_q_lens, kv_lens, scale), calls=10, samples=11)),
+        "decode": (f"1 query x {heads} heads, kv {total}", 1e6 * time_graph(
+            lambda _: ops.decode(q_last[None], cache, block_table, seq_lens, scale), calls=10, samples=11)),
     }
 
 
 # ---------------------------------------------------------------------------------- report
 def describe(stack: Stack, block_size: int) -> List[str]:
     """The header lines: model shapes, weights, reference."""
-    c = stack.hf_config
     import transformers
 
+    c = stack.hf_config
     q_path = f"q_lora {c.q_lora_rank}" if c.q_lora_rank else "no q_lora (q_proj)"
     heads = f"{stack.num_heads} heads"
     if stack.num_heads != stack.spec.model.num_heads:
@@ -469,15 +444,15 @@ def describe(stack: Stack, block_size: int) -> List[str]:
         f"model        {stack.spec.name} ({stack.spec.config.get('model_type')}): hidden {c.hidden_size}, {heads}, "
         f"{q_path}, kv_lora {c.kv_lora_rank}, nope/rope/v {c.qk_nope_head_dim}/{c.qk_rope_head_dim}/{c.v_head_dim}",
         f"attention    RoPE {rope_desc} ({rope_style(c)}), softmax scale {stack.softmax_scale:.6g}",
-        f"stack        {len(stack.layers)} layers, h <- h + attn(h); weights {stack.weights}; "
+        f"stack        layers 0..{len(stack.layers) - 1}, h <- h + attn(h); weights {stack.weights}; "
         f"paged latent cache, block size {block_size}, shuffled block table",
         f"reference    HF transformers {transformers.__version__} {type(stack.hf_layers[0]).__name__} "
-        f"(eager, float32) on the same weights",
+        f"(eager, {str(HF_DTYPE).replace('torch.', '')}) on the same weights",
     ]
 
 
-def format_phases(result: DemoResult, num_layers: int) -> str:
-    """The per-phase error table and a verdict line."""
+def format_phases(result: DemoResult) -> str:
+    """The per-phase error table, each phase marked ok or FAIL, and what the error means."""
     rows = [("phase", "q tokens", "kv len", "max rel err", "")]
     for p in result.phases:
         rows.append((p.name, str(p.q_tokens), str(p.kv_len), f"{p.max_error:.2e}",
@@ -485,7 +460,7 @@ def format_phases(result: DemoResult, num_layers: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:4], widths[1:4])] + [r[4]])
              .rstrip() for r in rows]
-    lines.append(f"rel err = ||out - ref|| / ||ref|| of the attention output, max over {num_layers} layers; "
+    lines.append(f"rel err = ||out - ref|| / ||ref|| of a layer's attention output, max over the layers; "
                  f"tolerance {result.tolerance:g}")
     return "\n".join(lines)
 

@@ -399,6 +399,11 @@ def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: in
     return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
 
 
+def _lse_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the CPU reference's checking precision)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _check_q(q, dims) -> None:
     # The kernels take fp16/bf16; the CPU reference any float dtype (float64 for checking).
     _tensor("q", q)
@@ -543,7 +548,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
         q=q, seq_lens=seq_lens, kv_cache=None if blocks else kv_cache,
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, device)
-    lse = _result_tensor("lse", lse, (batch, s_q, heads), torch.float32, device)
+    lse = _result_tensor("lse", lse, (batch, s_q, heads), _lse_dtype(q), device)
     if validate:
         q_lens = torch.full((batch,), s_q)
         if blocks:
@@ -591,7 +596,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
         q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, kv_cache=None if blocks else kv_cache,
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
-    lse = _result_tensor("lse", lse, (tokens, heads), torch.float32, device)
+    lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
     if validate:
         cu = cu_q_lens.cpu().long()
         if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) != tokens:
@@ -623,13 +628,16 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
                  out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
     """Merges two attention states over disjoint key sets -> (out, lse).
 
-    out_* [..., D] (fp16/bf16/fp32, last dim contiguous), lse_* [...] float32 natural log; a side with
+    out_* [..., D] (fp16/bf16/fp32; float64 on the CPU, with float64 lse), lse_* [...] float32
+    natural log; a side with
     lse -inf counts for nothing, and both -inf give out 0, lse -inf. Reference: reference.merge_states.
     """
-    _tensor("out_a", out_a, dtypes=_DTYPES, last_contiguous=True)
+    _tensor("out_a", out_a)
+    dtypes = _DTYPES if out_a.device.type == "cuda" else (*_DTYPES, torch.float64)
+    _tensor("out_a", out_a, dtypes=dtypes, last_contiguous=True)
     _tensor("out_b", out_b, dtype=out_a.dtype, last_contiguous=True)
     for name, t, o in (("lse_a", lse_a, out_a), ("lse_b", lse_b, out_b)):
-        _tensor(name, t, dtype=torch.float32, contiguous=True)
+        _tensor(name, t, dtype=_lse_dtype(out_a), contiguous=True)
         if tuple(t.shape) != tuple(o.shape[:-1]):
             raise ValueError(f"{name}: shape {tuple(t.shape)} must be out's without the last dim "
                              f"{tuple(o.shape[:-1])}")
@@ -637,7 +645,7 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
         raise ValueError(f"out_b: shape {tuple(out_b.shape)} differs from out_a's {tuple(out_a.shape)}")
     device = _same_device(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     out = _result_tensor("out", out, out_a.shape, out_a.dtype, device)
-    lse = _result_tensor("lse", lse, lse_a.shape, torch.float32, device)
+    lse = _result_tensor("lse", lse, lse_a.shape, _lse_dtype(out_a), device)
     if device.type != "cuda":
         ref_out, ref_lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
         return out.copy_(ref_out), lse.copy_(ref_lse)

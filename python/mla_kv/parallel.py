@@ -20,14 +20,16 @@ the ops' per-sequence rule "query i sees kv_len - q_len + i + 1". But the querie
 are congruent mod cp are spaced exactly cp apart, and along them the count does grow by exactly 1
 per query: each such residue class is an ordinary causal query block whose kv length is the count of
 its last query. cp_decode and cp_prefill run the ordinary kernels on those classes (min(S_q, cp)
-strided decode calls; one prefill over the B x cp classes, reordered), so no new kernel is needed
-and no query re-reads the cache more than its class does.
+strided decode calls; one prefill over the B x cp classes, reordered), so no new kernel is needed.
+The price: each class makes its own pass over the local cache (min(S_q, cp) passes for decode, up to
+cp for prefill) where a kernel with a per-query mask could make one; for S_q = 1 it is one pass.
 
 CUDA graphs: the position/slot helpers, cp_fused_write_kv (validate=False), cp_decode and cp_prefill
 use only device tensor ops on shapes known on the host (no host synchronization), and cp_merge only
-all-gathers and merges; capturing cp_merge needs a backend whose collectives can be captured (NCCL
-can; gloo is CPU only). ``cp_local_positions(num_tokens=None)`` reads cu_q_lens[-1] on the host.
-The CPU path (the reference ops) syncs everywhere, as the reference does.
+all-gathers (into fresh buffers) and merges; capturing it needs collectives that can be captured
+(PyTorch's NCCL backend allows it; not exercised here, and gloo is CPU only).
+``cp_local_positions(num_tokens=None)`` reads cu_q_lens[-1] on the host. The CPU path (the reference
+ops) synchronizes everywhere, as the reference does.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .layout import LATENT_DIM
+from .layout import LATENT_DIM, BlockPointerCache
 
 __all__ = [
     "CpTokens", "cp_decode", "cp_fused_write_kv", "cp_local_lens", "cp_local_positions", "cp_merge",
@@ -253,6 +255,9 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if not causal or cp == 1:
         return ops.prefill(q, kv_cache, block_table, cu_q_lens, cp_local_lens(kv_lens, cp, rank), softmax_scale,
                            causal=causal, out=out, lse=lse, workspace=workspace, schedule=schedule, arch=arch)
+    if isinstance(kv_cache, BlockPointerCache):
+        raise ValueError("kv_cache: causal cp_prefill takes a paged cache and block_table (its query classes "
+                         "share table rows, which block pointers cannot express)")
     tokens, heads, _ = q.shape
     out = ops._result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, q.device)
     lse = ops._result_tensor("lse", lse, (tokens, heads), torch.float32, q.device)
