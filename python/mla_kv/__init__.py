@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionSchedule", "BlockPointerCache", "BlockPool", "absorb_q", "attention_schedule", "decode",
-    "decode_workspace_size", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "kernels_available", "layout", "parallel", "parallel",
+    "decode_workspace_size", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "kernels_available", "layout", "parallel",
     "merge_states", "prefill", "project_out", "reference", "rope", "split_kv_b_proj", "weights", "write_kv",
     "write_kv_blocks",
 ]
