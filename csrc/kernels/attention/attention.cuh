@@ -356,17 +356,19 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
   }
 }
 
-// Merges the per-split partial states of the workspace into out / lse. CTA (row, chunk) owns 64
-// latent columns of one (token, head) row; its 8 warps fold disjoint sets of splits (each lane two
-// columns) with independent loads in flight, then add their sums in shared memory. Few rows with
-// many splits (one long sequence) thus still spread over many SMs.
+// Merges the per-split partial states of the workspace into out / lse. CTA (row, chunk) owns
+// 512 / gridDim.y latent columns of one (token, head) row; its 8 warps fold disjoint sets of splits
+// (each lane two columns per 64) with independent loads in flight, then add their sums in shared
+// memory. Many splits (one long sequence) spread a row over up to 8 CTAs; few splits keep one.
 constexpr int kCombineWarps = 8;
-constexpr int kCombineCols = 64;
+constexpr int kCombineGroups = kLatentDim / 64;  // 64-column groups of a row
+
+inline int combine_chunks(int num_splits) { return num_splits >= 64 ? 8 : num_splits >= 16 ? 2 : 1; }
 
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(const AttentionParams p) {
   __shared__ float weight_s[kMaxAttentionSplits];
-  __shared__ float2 partial_s[kCombineWarps][32];
+  __shared__ float2 partial_s[kCombineWarps][kCombineGroups][32];
   __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int64_t flat = blockIdx.x;
@@ -397,32 +399,43 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
 #pragma unroll
   for (int w = 0; w < kCombineWarps; ++w) denom += sum_s[w];
 
-  const int col = blockIdx.y * kCombineCols + lane * 2;
-  float2 o = make_float2(0.f, 0.f);
-#pragma unroll 4
+  const int groups = kCombineGroups / gridDim.y, col0 = blockIdx.y * groups * 64 + lane * 2;
+  float2 o[kCombineGroups];
+#pragma unroll
+  for (int g = 0; g < kCombineGroups; ++g) o[g] = make_float2(0.f, 0.f);
+#pragma unroll 2
   for (int i = warp; i < p.num_splits; i += kCombineWarps) {
     const float wgt = weight_s[i];
     if (wgt == 0.f) continue;  // an empty split's partial is never read
-    const float2 x = *reinterpret_cast<const float2*>(parts + (i * total_rows + flat) * kLatentDim + col);
-    o.x += wgt * x.x;
-    o.y += wgt * x.y;
+    const float* src = parts + (i * total_rows + flat) * kLatentDim + col0;
+#pragma unroll
+    for (int g = 0; g < kCombineGroups; ++g) {
+      if (g >= groups) break;
+      const float2 x = *reinterpret_cast<const float2*>(src + g * 64);
+      o[g].x += wgt * x.x;
+      o[g].y += wgt * x.y;
+    }
   }
-  partial_s[warp][lane] = o;
+#pragma unroll
+  for (int g = 0; g < kCombineGroups; ++g)
+    if (g < groups) partial_s[warp][g][lane] = o[g];
   __syncthreads();
-  if (warp != 0) return;
-  for (int w = 1; w < kCombineWarps; ++w) {
-    o.x += partial_s[w][lane].x;
-    o.y += partial_s[w][lane].y;
-  }
   const int64_t token = flat / p.num_heads;
   const int h = int(flat - token * p.num_heads);
   int64_t b = 0, t = token;
   if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
-  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + col;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + col0;
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  dst[0] = arch::from_float<T>(o.x * inv);
-  dst[1] = arch::from_float<T>(o.y * inv);
-  if (lane == 0 && blockIdx.y == 0)
+  for (int g = warp; g < groups; g += kCombineWarps) {  // warp g writes 64-column group g
+    float2 sum = make_float2(0.f, 0.f);
+    for (int w = 0; w < kCombineWarps; ++w) {
+      sum.x += partial_s[w][g][lane].x;
+      sum.y += partial_s[w][g][lane].y;
+    }
+    dst[g * 64] = arch::from_float<T>(sum.x * inv);
+    dst[g * 64 + 1] = arch::from_float<T>(sum.y * inv);
+  }
+  if (tid == 0 && blockIdx.y == 0)
     p.lse[b * p.lse_stride_b + t * p.lse_stride_t + int64_t(h) * p.lse_stride_h] =
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
@@ -443,7 +456,7 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
   if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
-  const dim3 grid(unsigned(p.total_q_tokens * p.num_heads), kLatentDim / kCombineCols);
+  const dim3 grid(unsigned(p.total_q_tokens * p.num_heads), combine_chunks(p.num_splits));
   combine_splits_kernel<T><<<grid, kCombineWarps * 32, 0, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
