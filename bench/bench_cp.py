@@ -15,7 +15,6 @@ Usage: python bench/bench_cp.py [--gpus N] [--part all|check|bench] [--quick] [-
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
@@ -269,11 +268,9 @@ def _free_port() -> int:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all visible, at most 8)")
     ap.add_argument("--part", choices=("all", "check", "bench"), default="all")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world = min(args.gpus or found, found, 8)

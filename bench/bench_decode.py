@@ -6,7 +6,6 @@ Cache bytes read: B x ctx x 576 x 2; FLOPs: B x H x S_q x ctx x 2176 (2 x 576 fo
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -68,14 +67,11 @@ def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default="")
+    ap = common.parser(__doc__)
     ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80"],
                     help="force a kernel variant (sm70 on a newer GPU shows the Volta code path's cost)")
     args = ap.parse_args(argv)
-    if not (torch.cuda.is_available() and mla_kv.kernels_available()):
-        print("bench_decode: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
+    if not common.kernels_present("bench_decode"):
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = common.copy_bandwidth()

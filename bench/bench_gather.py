@@ -9,7 +9,6 @@ Usage: python bench/bench_gather.py [--quick] [--json FILE]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -60,12 +59,9 @@ def run_case(rows, dtype, layout, gen):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default="")
+    ap = common.parser(__doc__)
     args = ap.parse_args(argv)
-    if not (torch.cuda.is_available() and mla_kv.kernels_available()):
-        print("bench_gather: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
+    if not common.kernels_present("bench_gather"):
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     row_counts = [4096, 65536, 1 << 20] if args.quick else [4096, 65536, 262144, 1 << 20]

@@ -15,7 +15,6 @@ Usage: python bench/bench_prefill.py [--quick] [--json FILE]
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -137,12 +136,9 @@ def recommendation(rows) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default="")
+    ap = common.parser(__doc__)
     args = ap.parse_args(argv)
-    if not (torch.cuda.is_available() and mla_kv.kernels_available()):
-        print("bench_prefill: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
+    if not common.kernels_present("bench_prefill"):
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     ceilings = {d: common.mma_ceiling(d) for d in (torch.float16, torch.bfloat16)}

@@ -7,7 +7,6 @@ Usage: python bench/bench_write.py [--quick] [--json FILE]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -64,18 +63,14 @@ def run(tokens, dtypes, heads_q):
                              "bytes": nbytes, "GB/s": nbytes / sec / 1e9,
                              "torch_native_us": native * 1e6 if name == "fused_write_kv" else None,
                              "torch_native_GB/s": fused_bytes / native / 1e9 if name == "fused_write_kv" else None})
-            del kv_a, caches, slots, positions, qs
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default="")
+    ap = common.parser(__doc__)
     ap.add_argument("--heads-q", type=int, default=20)
     args = ap.parse_args(argv)
-    if not (torch.cuda.is_available() and mla_kv.kernels_available()):
-        print("bench_write: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
+    if not common.kernels_present("bench_write"):
         return 1
     tokens = [1, 64, 65536] if args.quick else [1, 16, 64, 1024, 16384, 65536]
     dtypes = [torch.float16] if args.quick else [torch.float16, torch.bfloat16]

@@ -2,6 +2,7 @@
 same run (device copy bandwidth, tensor-core throughput) that every table is reported against."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -29,6 +30,24 @@ def time_eager(fn: Callable[[int], None], variants: int, calls: int = 10, sample
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --quick (a small grid) and --json FILE."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small grid")
+    ap.add_argument("--json", default="", help="also write the rows and ceilings to FILE")
+    return ap
+
+
+def kernels_present(name: str) -> bool:
+    """False, after saying why on stderr, when there is no GPU or the kernels were not built."""
+    import mla_kv
+
+    if torch.cuda.is_available() and mla_kv.kernels_available():
+        return True
+    print(f"{name}: needs a CUDA GPU and the compiled kernels", file=sys.stderr)
+    return False
 
 
 def variants_for(bytes_per_set: int, l2_bytes: int = 60 << 20, cap: int = 64) -> int:

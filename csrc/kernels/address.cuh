@@ -8,6 +8,17 @@
 
 namespace mla_kv {
 
+// The sequence owning packed token t < cu_lens[batch]: the largest b with cu_lens[b] <= t (empty
+// sequences have cu_lens[b] == cu_lens[b + 1] and are passed over).
+__device__ __forceinline__ int sequence_of(const int* cu_lens, int batch, int64_t t) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_lens[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Writes through a vLLM-style slot mapping.
 struct PagedSlotRows {
   PagedCache cache;
@@ -31,12 +42,7 @@ struct BlockPointerRows {
 
   __device__ __forceinline__ char* row(int64_t t) const {
     if (t >= cu_q_lens[cache.batch]) return nullptr;
-    // Largest b with cu_q_lens[b] <= t (sequences may be empty).
-    int lo = 0, hi = cache.batch - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (cu_q_lens[mid] <= t) lo = mid; else hi = mid - 1;
-    }
+    const int lo = sequence_of(cu_q_lens, cache.batch, t);
     const int64_t pos = history_lens[lo] + (t - cu_q_lens[lo]);
     const int64_t block = pos / cache.block_seq_len;
     const int first = cache.cu_block_nums[lo];

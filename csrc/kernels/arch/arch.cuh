@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -81,6 +82,19 @@ __device__ __forceinline__ Vec<T, N> load_cached(const T* p) {
 template <class T, int N>
 __device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+// Host side: the widest access (16 bytes, else two elements, else 0 = unsupported) that every
+// given address and byte stride/offset of an op allows.
+inline int64_t widest_access(int64_t elem_bytes, std::initializer_list<const void*> ptrs,
+                             std::initializer_list<int64_t> byte_strides) {
+  for (int64_t bytes : {int64_t(16), 2 * elem_bytes}) {
+    bool ok = true;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % bytes == 0;
+    for (int64_t s : byte_strides) ok = ok && s % bytes == 0;
+    if (ok) return bytes;
+  }
+  return 0;
 }
 
 // Sm80+ asynchronous global -> shared copies (Volta and Turing stage through registers instead).

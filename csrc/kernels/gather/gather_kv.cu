@@ -8,19 +8,13 @@
 namespace mla_kv {
 namespace {
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// Largest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
+// Widest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
 int64_t access_bytes(const GatherKvParams& p, const RowLayout& row, const void* base,
                      int64_t extra_stride_bytes) {
   const int64_t es = dtype_size(p.dtype);
-  for (int64_t bytes : {int64_t(16), 2 * es}) {
-    if (aligned(p.out, bytes) && (p.out_stride * es) % bytes == 0 && aligned(base, bytes) &&
-        extra_stride_bytes % bytes == 0 && row.row_stride_bytes % bytes == 0 &&
-        (row.latent_offset * es) % bytes == 0 && (row.rope_offset * es) % bytes == 0)
-      return bytes;
-  }
-  return 0;
+  return arch::widest_access(es, {p.out, base},
+                             {p.out_stride * es, extra_stride_bytes, row.row_stride_bytes,
+                              row.latent_offset * es, row.rope_offset * es});
 }
 
 template <class Rows>

@@ -38,17 +38,6 @@ constexpr int kVecsPerLane = 9;
 template <int N>
 constexpr int kRowsPerWarp = 32 * kVecsPerLane / (kRowDim / N);
 
-// The sequence owning packed row t < cu_kv_lens[batch]: the largest b with cu_kv_lens[b] <= t
-// (empty sequences have cu_kv_lens[b] == cu_kv_lens[b + 1] and are passed over).
-__device__ __forceinline__ int sequence_of(const int* cu_kv_lens, int batch, int64_t t) {
-  int lo = 0, hi = batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (cu_kv_lens[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // The cache row of out row t, or nullptr when the row is not written (see mla_kv/gather.h).
 template <class Rows>
 __device__ __forceinline__ const char* source_row(const GatherKvParams& p, const Rows& rows, int64_t t) {

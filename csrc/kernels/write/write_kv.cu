@@ -1,4 +1,6 @@
 // invokeWriteKv*: resolves the arch tag, dtype and vector width, then calls the per-arch launcher.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -8,25 +10,19 @@
 namespace mla_kv {
 namespace {
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// Largest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
+// Widest access (16 B, or 2 elements) that every address of the op allows; 0 if neither.
 int64_t access_bytes(const WriteKvParams& p, const RowLayout& row, const void* base,
                      int64_t extra_stride_bytes) {
   const int64_t es = dtype_size(p.dtype);
+  const int64_t rows_access = arch::widest_access(
+      es, {p.kv_c, p.k_pe, base},
+      {p.kv_c_stride * es, p.k_pe_stride * es, extra_stride_bytes, row.row_stride_bytes,
+       row.latent_offset * es, row.rope_offset * es});
+  if (p.rms_weight == nullptr) return rows_access;  // plain write: only the rows are touched
   const char* q_rope = p.q ? static_cast<const char*>(p.q) + (p.q_head_dim - kRopeDim) * es : nullptr;
-  for (int64_t bytes : {int64_t(16), 2 * es}) {
-    bool ok = aligned(p.kv_c, bytes) && aligned(p.k_pe, bytes) && (p.kv_c_stride * es) % bytes == 0 &&
-              (p.k_pe_stride * es) % bytes == 0 && aligned(base, bytes) &&
-              extra_stride_bytes % bytes == 0 && row.row_stride_bytes % bytes == 0 &&
-              (row.latent_offset * es) % bytes == 0 && (row.rope_offset * es) % bytes == 0;
-    if (p.rms_weight) ok = ok && aligned(p.rms_weight, bytes);
-    if (p.rms_weight && q_rope)
-      ok = ok && aligned(q_rope, bytes) && (p.q_stride_token * es) % bytes == 0 &&
-           (p.q_stride_head * es) % bytes == 0;
-    if (ok) return bytes;
-  }
-  return 0;
+  const int64_t fused_access = arch::widest_access(
+      es, {p.rms_weight, q_rope}, {p.q ? p.q_stride_token * es : 0, p.q ? p.q_stride_head * es : 0});
+  return std::min(rows_access, fused_access);
 }
 
 template <class Rows>
