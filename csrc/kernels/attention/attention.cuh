@@ -23,10 +23,13 @@ namespace mla_kv {
 namespace attention_detail {
 
 constexpr int kBlockN = 32;                 // cache rows per tile
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = kRowDim + 8;         // smem row pitch (elements): rows shift 4 banks
 constexpr int kScorePitch = kBlockN + 4;    // fp32 score row pitch
 constexpr int kProbPitch = kBlockN + 8;     // P row pitch (elements)
 constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
+constexpr int kRowsPerWarp = kBlockN / kWarps;                  // tile rows a warp loads
 constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -37,15 +40,11 @@ template <class A, int kBlockM>
 constexpr int kStages = A::kMinCudaArch < 800 ? 1 : (kBlockM <= 16 ? 2 : 3);
 template <class A, int kBlockM>
 constexpr int kCtasPerSm = (A::kMinCudaArch >= 800 && kBlockM <= 16) ? 2 : 1;
-// Warps per CTA: the one-CTA-per-SM Sm80 variants (32 and 64 rows) run 16 warps to hide latency;
-// the others 8 (two 16-row CTAs share an SM; Volta's staged tile needs the registers).
-template <class A, int kBlockM>
-constexpr int kWarpsOf = (A::kMinCudaArch >= 800 && kBlockM >= 32) ? 16 : 8;
 
 template <class A, int kBlockM>
 struct SmemLayout {
   static constexpr int kTilesM = kBlockM / 16;
-  static constexpr int kSplitK = kWarpsOf<A, kBlockM> / (kTilesM * 2);  // warps sharing a score tile
+  static constexpr int kSplitK = kWarps / (kTilesM * 2);  // warps sharing one 16x16 score tile
   static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
   static constexpr size_t kKv = size_t(kStages<A, kBlockM>) * kBlockN * kPitch * 2;
   static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
@@ -97,12 +96,8 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
 }
 
 template <class A, class T, int kBlockM, class Rows>
-__global__ void __launch_bounds__(kWarpsOf<A, kBlockM> * 32, (kCtasPerSm<A, kBlockM>))
-    attention_kernel(const AttentionParams p, const Rows rows) {
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
-    constexpr int kWarps = kWarpsOf<A, kBlockM>;
-    constexpr int kThreads = kWarps * 32;
-    constexpr int kRowsPerWarp = kBlockN / kWarps;  // tile rows a warp loads
     using L = SmemLayout<A, kBlockM>;
     using Mma = arch::WarpMma16<A, T>;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -193,7 +188,7 @@ __global__ void __launch_bounds__(kWarpsOf<A, kBlockM> * 32, (kCtasPerSm<A, kBlo
     const float scale_log2 = p.softmax_scale * kLog2e;
 
     // Output accumulators: warp owns 64 latent columns of every row.
-    constexpr int kTilesN = kLatentDim / kWarps / 16;  // 16-column tiles per warp
+    constexpr int kTilesN = kLatentDim / kWarps / 16;  // 4
     float acc[L::kTilesM][kTilesN][8];
 #pragma unroll
     for (int mt = 0; mt < L::kTilesM; ++mt)
@@ -447,18 +442,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
 
 template <class A, class T, class Rows>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream) {
-  auto go = [&](auto kernel, size_t smem, int threads) {
+  auto go = [&](auto kernel, size_t smem) {
     if (smem > 48 * 1024 &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
       return Status::kCudaError;
-    kernel<<<dim3(grid_x, p.num_splits), threads, smem, stream>>>(p, rows);
+    kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
     return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
   };
   Status s;
-  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<A, 16>::kBytes, kWarpsOf<A, 16> * 32);
-  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes, kWarpsOf<A, 32> * 32);
-  else if constexpr (A::kMinCudaArch >= 750)
-    s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes, kWarpsOf<A, 64> * 32);
+  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<A, 16>::kBytes);
+  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
+  else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
   if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
