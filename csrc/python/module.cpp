@@ -31,7 +31,7 @@ void check(Status s, const char* op) {
 }
 
 // Pointer members are exposed to Python as integers (tensor.data_ptr()).
-#define PTR_PROPERTY(cls, Type, field)                                                  \
+#define PTR_PROPERTY(Type, field)                                                  \
   def_property(#field, [](const Type& o) { return reinterpret_cast<uintptr_t>(o.field); }, \
                [](Type& o, uintptr_t v) { o.field = reinterpret_cast<decltype(o.field)>(v); })
 
@@ -80,18 +80,18 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([]() { return WriteKvParams{}; }))
       .def_readwrite("dtype", &WriteKvParams::dtype)
       .def_readwrite("num_tokens", &WriteKvParams::num_tokens)
-      .PTR_PROPERTY(cls, WriteKvParams, kv_c)
+      .PTR_PROPERTY(WriteKvParams, kv_c)
       .def_readwrite("kv_c_stride", &WriteKvParams::kv_c_stride)
-      .PTR_PROPERTY(cls, WriteKvParams, k_pe)
+      .PTR_PROPERTY(WriteKvParams, k_pe)
       .def_readwrite("k_pe_stride", &WriteKvParams::k_pe_stride)
-      .PTR_PROPERTY(cls, WriteKvParams, rms_weight)
+      .PTR_PROPERTY(WriteKvParams, rms_weight)
       .def_readwrite("rms_eps", &WriteKvParams::rms_eps)
-      .PTR_PROPERTY(cls, WriteKvParams, positions)
-      .PTR_PROPERTY(cls, WriteKvParams, cos_sin)
+      .PTR_PROPERTY(WriteKvParams, positions)
+      .PTR_PROPERTY(WriteKvParams, cos_sin)
       .def_readwrite("cos_sin_fp32", &WriteKvParams::cos_sin_fp32)
       .def_readwrite("max_position", &WriteKvParams::max_position)
       .def_readwrite("rope_style", &WriteKvParams::rope_style)
-      .PTR_PROPERTY(cls, WriteKvParams, q)
+      .PTR_PROPERTY(WriteKvParams, q)
       .def_readwrite("q_heads", &WriteKvParams::q_heads)
       .def_readwrite("q_head_dim", &WriteKvParams::q_head_dim)
       .def_readwrite("q_stride_token", &WriteKvParams::q_stride_token)
@@ -117,26 +117,26 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("batch", &AttentionParams::batch)
       .def_readwrite("num_heads", &AttentionParams::num_heads)
       .def_readwrite("q_len", &AttentionParams::q_len)
-      .PTR_PROPERTY(cls, AttentionParams, cu_q_lens)
+      .PTR_PROPERTY(AttentionParams, cu_q_lens)
       .def_readwrite("total_q_tokens", &AttentionParams::total_q_tokens)
-      .PTR_PROPERTY(cls, AttentionParams, kv_lens)
+      .PTR_PROPERTY(AttentionParams, kv_lens)
       .def_readwrite("causal", &AttentionParams::causal)
       .def_readwrite("softmax_scale", &AttentionParams::softmax_scale)
-      .PTR_PROPERTY(cls, AttentionParams, q)
+      .PTR_PROPERTY(AttentionParams, q)
       .def_readwrite("q_stride_b", &AttentionParams::q_stride_b)
       .def_readwrite("q_stride_t", &AttentionParams::q_stride_t)
       .def_readwrite("q_stride_h", &AttentionParams::q_stride_h)
-      .PTR_PROPERTY(cls, AttentionParams, out)
+      .PTR_PROPERTY(AttentionParams, out)
       .def_readwrite("out_stride_b", &AttentionParams::out_stride_b)
       .def_readwrite("out_stride_t", &AttentionParams::out_stride_t)
       .def_readwrite("out_stride_h", &AttentionParams::out_stride_h)
-      .PTR_PROPERTY(cls, AttentionParams, lse)
+      .PTR_PROPERTY(AttentionParams, lse)
       .def_readwrite("lse_stride_b", &AttentionParams::lse_stride_b)
       .def_readwrite("lse_stride_t", &AttentionParams::lse_stride_t)
       .def_readwrite("lse_stride_h", &AttentionParams::lse_stride_h)
       .def_readwrite("num_splits", &AttentionParams::num_splits)
       .def_readwrite("tokens_per_split", &AttentionParams::tokens_per_split)
-      .PTR_PROPERTY(cls, AttentionParams, workspace);
+      .PTR_PROPERTY(AttentionParams, workspace);
 
   py::class_<AttentionSchedule>(m, "AttentionSchedule")
       .def_readonly("num_splits", &AttentionSchedule::num_splits)

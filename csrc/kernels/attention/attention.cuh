@@ -5,9 +5,9 @@
 // heads (up to 64 rows per CTA) instead of once per head.
 //
 // Per tile: S = Q.K^T (576-d) on tensor cores -> online softmax in fp32 (log2 domain) -> P (in the
-// input dtype) -> O += P.V with V = the tile's 512 latent columns. The next tile's global loads are
-// issued into registers before the current tile's math, so memory and math overlap on every arch
-// without cp.async (which Volta lacks).
+// input dtype) -> O += P.V with V = the tile's 512 latent columns. Loads run ahead of the math on
+// every arch: a cp.async ring of 2-3 tiles on Sm80+, the next tile staged in registers on Volta
+// and Turing (Volta has no cp.async).
 // Reference: python/mla_kv/reference_attention.py (decode, prefill).
 #pragma once
 
