@@ -132,14 +132,19 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=lambda a: " ".join(a) or "no-command")
-def test_bad_arguments_one_line_exit_2(args, capsys):
+def assert_usage_error(args, capsys):
+    """The CLI's contract for bad arguments: exit 2, nothing on stdout, one error line on stderr."""
     with pytest.raises(SystemExit) as exit_info:
         cli.main(args)
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1 and "error:" in captured.err
+
+
+@pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=lambda a: " ".join(a) or "no-command")
+def test_bad_arguments_one_line_exit_2(args, capsys):
+    assert_usage_error(args, capsys)
 
 
 def test_bad_config_file_exit_2(tmp_path, capsys):

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from mla_kv import cli, demo, ops  # noqa: E402
-from test_cli import run_cli  # noqa: E402
+from test_cli import assert_usage_error, run_cli  # noqa: E402
 
 SMALL = ["--layers", "1", "--prompt-len", "20", "--decode-steps", "2", "--block-size", "16"]
 PHASE_ROW = re.compile(r"^(prefill|decode \d+) +(\d+) +(\d+) +(\S+) +(ok|FAIL)$", re.M)
@@ -120,12 +120,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=" ".join)
 def test_bad_arguments_one_line_exit_2(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(args)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert len(captured.err.strip().splitlines()) == 1 and "error:" in captured.err
+    assert_usage_error(args, capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
