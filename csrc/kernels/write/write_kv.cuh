@@ -12,11 +12,11 @@
 namespace mla_kv {
 namespace write_detail {
 
-constexpr int kWarpsPerBlock = 8;
+constexpr int kWarpsPerBlock = 4;
 // Rows in flight per SM bound a copy-like kernel: the 16-byte 16-bit variants (the ones engines
 // run) cap registers at 51 so 40 warps fit; the others keep the compiler's choice.
 template <class T, int N>
-constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8) ? 5 : 1;
+constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8) ? 10 : 1;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
