@@ -158,6 +158,12 @@ def test_scale_and_rope_table_match_hf(case):
     assert torch.allclose(hf_sin.double()[:, early], ours_sin[:, early], rtol=0, atol=5e-6)
 
 
+def absorbed_queries(attn, hidden, w_uk):
+    """[q_lat | q_pe] per head: the q the absorbed attention ops take."""
+    q = mla_queries(attn, hidden)
+    return torch.cat([absorb_q(q[..., :NOPE], w_uk), q[..., NOPE:]], -1)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_pipeline_matches_hf(case, precision):
@@ -173,8 +179,7 @@ def test_prefill_pipeline_matches_hf(case, precision):
     hidden = [torch.randn(n, config.hidden_size, dtype=torch.float64) for n in lens]
     queries = []
     for b, n in enumerate(lens):
-        q = mla_queries(attn, hidden[b])
-        q_full = torch.cat([absorb_q(q[..., :NOPE], w_uk), q[..., NOPE:]], -1)
+        q_full = absorbed_queries(attn, hidden[b], w_uk)
         positions = torch.arange(n)
         write(attn, config, paged, b, hidden[b], positions, offsets[b] + positions, table, q=q_full)
         queries.append(q_full)
@@ -208,8 +213,7 @@ def test_decode_pipeline_matches_hf(case, s_q, precision):
         cached = torch.arange(n - s_q)  # the prompt so far, already in the cache
         write(attn, config, paged, b, hidden[b][:n - s_q], cached, cached, table)
         new = torch.arange(n - s_q, n)
-        q = mla_queries(attn, hidden[b][n - s_q:])
-        q_full = torch.cat([absorb_q(q[..., :NOPE], w_uk), q[..., NOPE:]], -1)
+        q_full = absorbed_queries(attn, hidden[b][n - s_q:], w_uk)
         write(attn, config, paged, b, hidden[b][n - s_q:], new, new, table, q=q_full)
         new_q.append(q_full)
     o_lat, lse = decode(torch.stack(new_q), paged.cache, paged.table, torch.tensor(lens, dtype=torch.int32),
