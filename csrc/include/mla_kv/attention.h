@@ -51,7 +51,8 @@ struct AttentionSchedule {
   int tokens_per_split;
 };
 
-// max_kv_len: an upper bound of every kv_len (e.g. block_table width * block_size).
+// max_kv_len: an upper bound of every kv_len (e.g. block_table width * block_size); arch: the tag the
+// launch will use (kAuto: the current device's).
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
                                           int sm_count, Arch arch);
 

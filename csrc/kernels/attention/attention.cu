@@ -56,6 +56,7 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
 
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
                                           int sm_count, Arch arch) {
+  if (arch == Arch::kAuto) arch = resolve_arch(arch, device_compute_capability());
   const int block_m = block_m_for(q_len * num_heads, arch);
   const int64_t ctas = int64_t(batch) * ceil_div(int64_t(q_len) * num_heads, block_m);
   // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU, and then into as
