@@ -143,7 +143,7 @@ def main(argv=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     ceilings = {d: common.mma_ceiling(d) for d in (torch.float16, torch.bfloat16)}
     if args.quick:
-        shapes = [("q=kv=4K", 4096, 4096), ("extend q512/kv16K", 512, 16384)]
+        shapes = [("q=kv=4K", 4096, 4096), ("q=kv=8K", 8192, 8192), ("extend q512/kv16K", 512, 16384)]
         grid = [(s, h, torch.bfloat16) for s in shapes for h in (20, 128)]
     else:
         shapes = [("q=kv=1K", 1024, 1024), ("q=kv=4K", 4096, 4096), ("q=kv=8K", 8192, 8192),

@@ -106,8 +106,8 @@ def test_decode_long_contexts_split_kv(dtype, heads, lens):
 
 def test_decode_forced_splits_match_reference():
     gen = torch.Generator(device="cuda").manual_seed(5)
-    lens = [0, 5, 100, 333, 1024]
-    for splits, tokens in [(2, 512), (8, 128), (33, 32)]:
+    lens = [0, 5, 100, 333, 1024]  # random_table gives 17 blocks of 64 = 1088 positions per sequence
+    for splits, tokens in [(2, 544), (8, 136), (33, 33)]:  # splits that end inside 32-token tiles too
         bytes_needed = mla_kv.ops._C.attention_workspace_size(len(lens) * 3, 20, splits)
         schedule = mla_kv.AttentionSchedule(splits, tokens, bytes_needed)
         out, lse, ref_out, ref_lse = run_decode_case(lens, 20, 3, 64, torch.float16, gen, schedule=schedule)
@@ -219,6 +219,31 @@ def test_prefill_chunked_equals_one_shot():
     assert (chunked_lse - lse).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_prefill_leaves_padded_rows_untouched(splits):
+    """q/out with more rows than cu_q_lens[B] (a CUDA-graph batch padded to a fixed T): rows past
+    the last sequence keep their bytes, with and without split-KV (whose combine step must skip them)."""
+    gen = torch.Generator(device="cuda").manual_seed(40 + splits)
+    dtype, heads, q_lens, kv_lens, pad = torch.float16, 20, [70, 1], [200, 90], 13
+    num_blocks = 12
+    cache = random_cache(num_blocks, 64, dtype, gen)
+    table = random_table(kv_lens, 64, num_blocks, gen)
+    cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    kv = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    tokens = sum(q_lens) + pad
+    q = torch.randn(tokens, heads, 576, generator=gen, device="cuda").to(dtype)
+    out = torch.randn(tokens, heads, 512, generator=gen, device="cuda").to(dtype)
+    lse = torch.randn(tokens, heads, generator=gen, device="cuda")
+    out_pad, lse_pad = out[-pad:].clone(), lse[-pad:].clone()
+    per_split = -(-table.shape[1] * 64 // splits)
+    schedule = mla_kv.AttentionSchedule(splits, per_split,
+                                        mla_kv.ops._C.attention_workspace_size(tokens, heads, splits))
+    mla_kv.prefill(q, cache, table, cu, kv, 0.0625, out=out, lse=lse, schedule=schedule)
+    ref_out, ref_lse = reference.prefill(q[:-pad].double(), cache.double(), table, cu, kv, 0.0625)
+    check(out[:-pad], lse[:-pad], ref_out, ref_lse, dtype, f"padded prefill splits={splits}")
+    assert torch.equal(out[-pad:], out_pad) and torch.equal(lse[-pad:], lse_pad), "padded rows were written"
+
+
 @pytest.mark.parametrize("heads,q_len,kv_len", [(16, 4096, 4096), (128, 16, 32768)])
 def test_prefill_long(heads, q_len, kv_len):
     gen = torch.Generator(device="cuda").manual_seed(heads)
@@ -302,3 +327,10 @@ def test_bad_attention_input_raises_before_launch():
         mla_kv.decode(q, cache, table, lens, 0.1, out=torch.empty(1, 1, 15, 512, device="cuda").half())
     with pytest.raises(TypeError, match="bfloat16"):
         mla_kv.decode(q.bfloat16(), cache.bfloat16(), table, lens, 0.1, arch="sm70")
+    # hand-made schedules: too few kv positions (would drop keys) or no room for the split partials
+    out = torch.full((1, 1, 16, 512), float("nan"), device="cuda").half()
+    for bad in (mla_kv.AttentionSchedule(1, 128, 0), mla_kv.AttentionSchedule(4, 64, 0),
+                mla_kv.AttentionSchedule(0, 256, 0)):
+        with pytest.raises(ValueError, match="schedule"):
+            mla_kv.decode(q, cache, table, lens, 0.1, out=out, schedule=bad)
+    assert torch.isnan(out).all(), "a rejected call wrote out"

@@ -143,6 +143,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tokens_per_split", &AttentionSchedule::tokens_per_split);
   m.def("make_attention_schedule", &make_attention_schedule);
   m.def("attention_workspace_size", &attention_workspace_size);
+  m.attr("max_attention_splits") = kMaxAttentionSplits;
   m.def("attention_paged",
         [](const AttentionParams& p, const PagedCache& cache, uintptr_t block_table, int64_t block_table_stride,
            int max_blocks, Arch arch, uintptr_t stream) {

@@ -423,7 +423,28 @@ def _result_tensor(name, given, shape, dtype, device):
     return given
 
 
-def _workspace(workspace, schedule: AttentionSchedule, device):
+def _schedule_cover(blocks, max_kv, validate, have, size) -> int:
+    """The kv positions a schedule must cover: the block table's width for the paged layout; for
+    block pointers the longest block list, known on the host only with validate=True (else 0)."""
+    if not blocks:
+        return max_kv
+    return int(have.max()) * size if validate and have.numel() else 0
+
+
+def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_tokens, heads):
+    """Checks a (possibly hand-made) schedule against the launch, then returns the workspace address."""
+    if not isinstance(schedule, AttentionSchedule):
+        raise ValueError(f"schedule: expected an AttentionSchedule (mla_kv.attention_schedule), got {schedule!r}")
+    splits, tokens = schedule.num_splits, schedule.tokens_per_split
+    if not 1 <= splits <= _C.max_attention_splits or tokens < 1:
+        raise ValueError(f"schedule: needs 1 <= num_splits <= {_C.max_attention_splits} and tokens_per_split >= 1, "
+                         f"got {splits} x {tokens}")
+    if splits * tokens < max_kv:
+        raise ValueError(f"schedule: {splits} splits x {tokens} tokens cover {splits * tokens} kv positions, "
+                         f"but the cache arguments allow up to {max_kv}")
+    need = _C.attention_workspace_size(total_tokens, heads, splits)
+    if schedule.workspace_bytes < need:
+        raise ValueError(f"schedule: workspace_bytes {schedule.workspace_bytes} < the {need} this launch needs")
     if schedule.workspace_bytes == 0:
         return 0
     if workspace is None:  # a CUDA graph should pass one sized by attention_schedule()
@@ -549,6 +570,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, device)
     lse = _result_tensor("lse", lse, (batch, s_q, heads), _lse_dtype(q), device)
+    have = size = None
     if validate:
         q_lens = torch.full((batch,), s_q)
         if blocks:
@@ -566,7 +588,9 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
         schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=_workspace(workspace, schedule, device))
+                               workspace_ptr=_workspace(workspace, schedule, device,
+                                                        max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
+                                                        total_tokens=batch * s_q, heads=heads))
     _launch_attention(q, params, kv_cache, block_table, arch)
     return out, lse
 
@@ -579,8 +603,8 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at T: checked with
-    ``validate=True``; rows of out/lse past cu_q_lens[B] are unspecified); kv_lens int32 [B] include the new
-    tokens, already in the cache; the q tokens of sequence b are its last q_len_b positions: when
+    ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
+    include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b positions: when
     causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len. Cache arguments
     as in decode. Returns out [T, H, 512] and lse [T, H] float32. Reference: mla_kv.reference.prefill.
     """
@@ -598,6 +622,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
     lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
+    have = size = None
     if validate:
         cu = cu_q_lens.cpu().long()
         if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) != tokens:
@@ -616,11 +641,13 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
               else block_table.shape[1] * kv_cache.shape[1])
     if schedule is None:
-        schedule = attention_schedule(batch, max(1, tokens // batch), heads, max_kv, total_q_tokens=tokens,
+        schedule = attention_schedule(batch, max(1, -(-tokens // batch)), heads, max_kv, total_q_tokens=tokens,
                                       device=device, arch=arch)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=_workspace(workspace, schedule, device))
+                               workspace_ptr=_workspace(workspace, schedule, device,
+                                                        max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
+                                                        total_tokens=tokens, heads=heads))
     _launch_attention(q, params, kv_cache, block_table, arch)
     return out, lse
 

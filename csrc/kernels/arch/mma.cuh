@@ -4,8 +4,10 @@
 // instruction: Sm80 two mma.m16n8k16 (fp16/bf16), Sm75 four mma.m16n8k8 (fp16), Sm70 four
 // mma.m8n8k4 (fp16; each of the warp's four quad-pairs computes one 8x8 quarter of the tile).
 // Sm75/Sm80 load fragments with ldmatrix; Sm70 with plain shared-memory loads (Volta has no
-// ldmatrix). acc_row/acc_col say where accumulator element i of a lane sits in the tile, so
-// softmax and epilogues are written once for all tags.
+// ldmatrix). Operand fragments (FragA, FragB) are separate objects so that a kernel loads an
+// operand once and reuses it against several tiles of the other. acc_row/acc_col say where
+// accumulator element i of a lane sits in the tile, so softmax and epilogues are written once for
+// all tags.
 #pragma once
 
 #include <cstdint>
@@ -31,9 +33,12 @@ struct WarpMma16;
 // B regs per 8-column half: (k 2t..2t+1, n g), (k 2t+8.., n g). C: (g, 2t..2t+1), (g+8, 2t..).
 template <class T>
 struct Sm8xFragments {
-  static constexpr int kAccs = 8;
-  uint32_t a[4];
-  uint32_t b[2][2];  // [n half][k half]
+  struct FragA {
+    uint32_t r[4];
+  };
+  struct FragB {
+    uint32_t r[2][2];  // [n half][k half]
+  };
 
   // ldmatrix: each lane names one 16-byte row of one of the four 8x8 matrices (lanes 8i..8i+7 ->
   // matrix i), and receives its fragment of each. Rows must be 16-byte aligned.
@@ -49,23 +54,23 @@ struct Sm8xFragments {
   }
 
   // A stored [m][k] (k contiguous), leading dim ld elements: matrices (m 0-7 | 8-15) x (k 0-7 | 8-15).
-  __device__ __forceinline__ void load_a(const T* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_a(FragA& f, const T* s, int ld, int lane) {
     const int mat = lane >> 3;
-    ldmatrix_x4(a, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
+    ldmatrix_x4(f.r, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
   }
   // B stored [n][k] (k contiguous): the K^T operand of Q.K^T.
-  __device__ __forceinline__ void load_b_nk(const T* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_b_nk(FragB& f, const T* s, int ld, int lane) {
     const int mat = lane >> 3;
     uint32_t r[4];
     ldmatrix_x4(r, s + ((mat >> 1) * 8 + (lane & 7)) * ld + (mat & 1) * 8);
-    b[0][0] = r[0]; b[0][1] = r[1]; b[1][0] = r[2]; b[1][1] = r[3];
+    f.r[0][0] = r[0]; f.r[0][1] = r[1]; f.r[1][0] = r[2]; f.r[1][1] = r[3];
   }
   // B stored [k][n] (n contiguous): the V operand of P.V, transposed on the way in.
-  __device__ __forceinline__ void load_b_kn(const T* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_b_kn(FragB& f, const T* s, int ld, int lane) {
     const int mat = lane >> 3;
     uint32_t r[4];
     ldmatrix_x4_trans(r, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
-    b[0][0] = r[0]; b[0][1] = r[1]; b[1][0] = r[2]; b[1][1] = r[3];
+    f.r[0][0] = r[0]; f.r[0][1] = r[1]; f.r[1][0] = r[2]; f.r[1][1] = r[3];
   }
   __device__ __forceinline__ static int acc_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
   __device__ __forceinline__ static int acc_col(int lane, int i) { return (i >> 2) * 8 + 2 * (lane & 3) + (i & 1); }
@@ -73,7 +78,9 @@ struct Sm8xFragments {
 
 template <class T>
 struct WarpMma16<Sm80, T> : Sm8xFragments<T> {
-  __device__ __forceinline__ void mma(float (&c)[8]) const {
+  using typename Sm8xFragments<T>::FragA;
+  using typename Sm8xFragments<T>::FragB;
+  __device__ __forceinline__ static void mma(float (&c)[8], const FragA& a, const FragB& b) {
     constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -83,15 +90,13 @@ struct WarpMma16<Sm80, T> : Sm8xFragments<T> {
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%0,%1,%2,%3};"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(this->a[0]), "r"(this->a[1]), "r"(this->a[2]), "r"(this->a[3]), "r"(this->b[h][0]),
-              "r"(this->b[h][1]));
+            : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));
       } else {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%0,%1,%2,%3};"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(this->a[0]), "r"(this->a[1]), "r"(this->a[2]), "r"(this->a[3]), "r"(this->b[h][0]),
-              "r"(this->b[h][1]));
+            : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));
       }
     }
   }
@@ -99,7 +104,7 @@ struct WarpMma16<Sm80, T> : Sm8xFragments<T> {
 
 template <>
 struct WarpMma16<Sm75, __half> : Sm8xFragments<__half> {
-  __device__ __forceinline__ void mma(float (&c)[8]) const {
+  __device__ __forceinline__ static void mma(float (&c)[8], const FragA& a, const FragB& b) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float* d = c + 4 * h;
@@ -108,7 +113,7 @@ struct WarpMma16<Sm75, __half> : Sm8xFragments<__half> {
         asm volatile(
             "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[2 * k]), "r"(a[2 * k + 1]), "r"(b[h][k]));
+            : "r"(a.r[2 * k]), "r"(a.r[2 * k + 1]), "r"(b.r[h][k]));
       }
     }
   }
@@ -121,50 +126,53 @@ struct WarpMma16<Sm75, __half> : Sm8xFragments<__half> {
 // (lane & 2) + (i & 1).
 template <>
 struct WarpMma16<Sm70, __half> {
-  static constexpr int kAccs = 8;
-  uint32_t a[4][2];  // [k step of 4][2 x f16x2]
-  uint32_t b[4][2];
+  struct FragA {
+    uint32_t r[4][2];  // [k step of 4][2 x f16x2]
+  };
+  struct FragB {
+    uint32_t r[4][2];
+  };
 
   __device__ __forceinline__ static int quad_pair(int lane) { return (lane >> 2) & 3; }
   __device__ __forceinline__ static int own_index(int lane) { return (lane & 3) + ((lane >> 4) << 2); }
 
-  __device__ __forceinline__ void load_a(const __half* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_a(FragA& f, const __half* s, int ld, int lane) {
     const int q = quad_pair(lane);
     const __half* row = s + ((q & 1) * 8 + own_index(lane)) * ld;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * k);
-      a[k][0] = v.x;
-      a[k][1] = v.y;
+      f.r[k][0] = v.x;
+      f.r[k][1] = v.y;
     }
   }
-  __device__ __forceinline__ void load_b_nk(const __half* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_b_nk(FragB& f, const __half* s, int ld, int lane) {
     const int q = quad_pair(lane);
     const __half* col = s + ((q >> 1) * 8 + own_index(lane)) * ld;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint2 v = *reinterpret_cast<const uint2*>(col + 4 * k);
-      b[k][0] = v.x;
-      b[k][1] = v.y;
+      f.r[k][0] = v.x;
+      f.r[k][1] = v.y;
     }
   }
-  __device__ __forceinline__ void load_b_kn(const __half* s, int ld, int lane) {
+  __device__ __forceinline__ static void load_b_kn(FragB& f, const __half* s, int ld, int lane) {
     const int q = quad_pair(lane);
     const __half* col = s + (q >> 1) * 8 + own_index(lane);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      b[k][0] = pack2(col + (4 * k) * ld, col + (4 * k + 1) * ld);
-      b[k][1] = pack2(col + (4 * k + 2) * ld, col + (4 * k + 3) * ld);
+      f.r[k][0] = pack2(col + (4 * k) * ld, col + (4 * k + 1) * ld);
+      f.r[k][1] = pack2(col + (4 * k + 2) * ld, col + (4 * k + 3) * ld);
     }
   }
-  __device__ __forceinline__ void mma(float (&c)[8]) const {
+  __device__ __forceinline__ static void mma(float (&c)[8], const FragA& a, const FragB& b) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       asm volatile(
           "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
           "{%0,%1,%2,%3,%4,%5,%6,%7};"
           : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
-          : "r"(a[k][0]), "r"(a[k][1]), "r"(b[k][0]), "r"(b[k][1]));
+          : "r"(a.r[k][0]), "r"(a.r[k][1]), "r"(b.r[k][0]), "r"(b.r[k][1]));
     }
   }
   __device__ __forceinline__ static int acc_row(int lane, int i) {

@@ -15,7 +15,7 @@ constexpr int kTileTokens = 32;  // attention_detail::kBlockN
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-int block_m_for(int rows, Arch arch) {
+int block_m_for(int64_t rows, Arch arch) {
   if (rows <= 16) return 16;
   // Volta's 96 KB of shared memory holds a 32-row Q tile next to the KV tile, not a 64-row one.
   if (rows <= 32 || arch == Arch::kSm70) return 32;
@@ -37,7 +37,9 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
   if (p.batch == 0 || p.total_q_tokens == 0) return Status::kOk;
-  const int rows_per_seq = p.q_len * p.num_heads;
+  // Packed batches size the CTA by the average rows per sequence (the schedule does the same).
+  const int64_t rows_per_seq = p.cu_q_lens == nullptr ? int64_t(p.q_len) * p.num_heads
+                                                      : ceil_div(p.total_q_tokens, p.batch) * int64_t(p.num_heads);
   const int block_m = block_m_for(rows_per_seq, tag);
   const int grid_x = grid_x_for(p, block_m);
   using namespace attention_detail;

@@ -33,6 +33,7 @@ constexpr int kRowsPerWarp = kBlockN / kWarps;                  // tile rows a w
 constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kRescaleLog2 = 8.f;  // see the online softmax
 
 // Tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in registers. A
 // 16-row CTA keeps two stages so that two CTAs share an SM (twice the warps to hide latency).
@@ -41,16 +42,26 @@ constexpr int kStages = A::kMinCudaArch < 800 ? 1 : (kBlockM <= 16 ? 2 : 3);
 template <class A, int kBlockM>
 constexpr int kCtasPerSm = (A::kMinCudaArch >= 800 && kBlockM <= 16) ? 2 : 1;
 
+// Q.K^T warp tiling: a warp computes kQkTilesM x kQkTilesN 16x16 score tiles over a slice of the
+// 576-d contraction; the kSplitK slices meet in shared memory. Bigger warp tiles reuse each loaded
+// fragment more (64-row CTAs: 2 A + 1 B fragments per 4 mma instead of 1 + 1 per 2), more slices
+// cost more partial sums in shared memory.
+template <int kBlockM>
+constexpr int kQkTilesM = kBlockM >= 64 ? 2 : 1;
+constexpr int kQkTilesN = 1;
+
 template <class A, int kBlockM>
 struct SmemLayout {
   static constexpr int kTilesM = kBlockM / 16;
-  static constexpr int kSplitK = kWarps / (kTilesM * 2);  // warps sharing one 16x16 score tile
+  static constexpr int kQkGroups = (kTilesM / kQkTilesM<kBlockM>) * (kBlockN / 16 / kQkTilesN);
+  static constexpr int kSplitK = kWarps / kQkGroups;  // warps sharing one group of score tiles
   static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
   static constexpr size_t kKv = size_t(kStages<A, kBlockM>) * kBlockN * kPitch * 2;
   static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
   static constexpr size_t kProbs = size_t(kBlockM) * kProbPitch * 2;
   static constexpr size_t kRowStats = size_t(kBlockM) * 4;
   static constexpr size_t kBytes = kQ + kKv + kScores + kProbs + 3 * kRowStats;
+  static_assert(kWarps % kQkGroups == 0 && (kRowDim / 16) % kSplitK == 0, "Q.K^T warp tiling");
 };
 
 // Which sequence, query rows and kv range a CTA owns.
@@ -74,16 +85,18 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
     w.q_len = p.q_len;
     w.token_base = int64_t(w.b) * p.q_len;
   } else {
-    // Packed sequences: CTAs are handed out in sequence order, ceil(q_len_b * H / kBlockM) each.
-    int first = 0, b = 0;
+    // Packed sequences: CTAs are handed out in sequence order, ceil(q_len_b * H / kBlockM) each,
+    // last rows first: under a causal mask they see the most keys, and starting the longest CTAs
+    // first keeps them out of the tail of the grid.
+    int first = 0, b = 0, n = 0;
     for (; b < p.batch; ++b) {
-      const int n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;
+      n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;
       if (bx < first + n) break;
       first += n;
     }
     if (b == p.batch) return false;
     w.b = b;
-    w.row0 = (bx - first) * kBlockM;
+    w.row0 = (n - 1 - (bx - first)) * kBlockM;
     w.q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
     w.token_base = p.cu_q_lens[b];
   }
@@ -178,6 +191,7 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
     // Softmax ownership: consecutive lanes share a row.
     constexpr int kRowThreads = kThreads / kBlockM;
     constexpr int kRowCols = kBlockN / kRowThreads;
+    constexpr int kScoreVec = kRowCols < 4 ? kRowCols : 4;  // floats per shared-memory read
     const int my_row = tid / kRowThreads, my_col0 = (tid % kRowThreads) * kRowCols;
     int row_limit = -1;  // kv positions < row_limit are visible to my_row
     if (my_row < rows_here) {
@@ -197,11 +211,11 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[mt][nt][i] = 0.f;
 
-    // Score tile owned by this warp in Q.K^T, and its slice of the 576-d contraction.
-    const int score_tile = warp % (L::kTilesM * 2), ks = warp / (L::kTilesM * 2);
-    const int st_m = (score_tile >> 1) * 16, st_n = (score_tile & 1) * 16;
+    // Score tiles owned by this warp in Q.K^T, and its slice of the 576-d contraction.
+    constexpr int kGroupsN = kBlockN / 16 / kQkTilesN;
+    const int group = warp % L::kQkGroups, ks = warp / L::kQkGroups;
+    const int st_m = (group / kGroupsN) * kQkTilesM<kBlockM> * 16, st_n = (group % kGroupsN) * kQkTilesN * 16;
     constexpr int kKSlice = kRowDim / L::kSplitK;
-    static_assert(kKSlice % 16 == 0, "k slice");
 
     // Prologue: tiles 0 .. kStages-1 requested (or staged), bases of the next one looked up.
     int stage = 0;
@@ -225,77 +239,111 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
         lookup(j0 + 2 * kBlockN);
       }
 
-      {  // S = Q.K^T partial over this warp's k slice
-        float s_acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        Mma mma;
-#pragma unroll 4
-        for (int k = ks * kKSlice; k < (ks + 1) * kKSlice; k += 16) {
-          mma.load_a(q_s + st_m * kPitch + k, kPitch, lane);
-          mma.load_b_nk(kv_tile + st_n * kPitch + k, kPitch, lane);
-          mma.mma(s_acc);
+      {  // S = Q.K^T partial over this warp's k slice; the next step's fragments load during this
+         // step's mma (two fragment buffers, resolved at compile time by the full unroll)
+        float s_acc[kQkTilesM<kBlockM>][kQkTilesN][8] = {};
+        typename Mma::FragA qa[2][kQkTilesM<kBlockM>];
+        typename Mma::FragB kb[2][kQkTilesN];
+        const T* q_slice = q_s + st_m * kPitch + ks * kKSlice;
+        const T* k_slice = kv_tile + st_n * kPitch + ks * kKSlice;
+        auto load = [&](int buf, int k) {
+#pragma unroll
+          for (int i = 0; i < kQkTilesM<kBlockM>; ++i) Mma::load_a(qa[buf][i], q_slice + 16 * i * kPitch + k, kPitch, lane);
+#pragma unroll
+          for (int j = 0; j < kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kPitch + k, kPitch, lane);
+        };
+        load(0, 0);
+#pragma unroll
+        for (int k = 0; k < kKSlice; k += 16) {
+          const int buf = (k / 16) & 1;
+          if (k + 16 < kKSlice) load(buf ^ 1, k + 16);
+#pragma unroll
+          for (int i = 0; i < kQkTilesM<kBlockM>; ++i)
+#pragma unroll
+            for (int j = 0; j < kQkTilesN; ++j) Mma::mma(s_acc[i][j], qa[buf][i], kb[buf][j]);
         }
         float* out_s = score_s + ks * kBlockM * kScorePitch;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          out_s[(st_m + Mma::acc_row(lane, i)) * kScorePitch + st_n + Mma::acc_col(lane, i)] = s_acc[i];
+        for (int i = 0; i < kQkTilesM<kBlockM>; ++i)
+#pragma unroll
+          for (int j = 0; j < kQkTilesN; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              out_s[(st_m + 16 * i + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
+                  s_acc[i][j][e];
       }
       __syncthreads();
 
-      {  // online softmax of my row's columns
+      bool rescale;
+      {  // online softmax of my row's columns (partials read and P written as vectors)
         float sc[kRowCols];
         float tile_max = -INFINITY;
+        using ScoreVec = arch::Vec<float, kScoreVec>;
+#pragma unroll
+        for (int c = 0; c < kRowCols; ++c) sc[c] = 0.f;
+#pragma unroll
+        for (int part = 0; part < L::kSplitK; ++part)
+#pragma unroll
+          for (int c = 0; c < kRowCols; c += kScoreVec) {
+            const ScoreVec v =
+                *reinterpret_cast<const ScoreVec*>(score_s + (part * kBlockM + my_row) * kScorePitch + my_col0 + c);
+#pragma unroll
+            for (int e = 0; e < kScoreVec; ++e) sc[c + e] += v.v[e];
+          }
 #pragma unroll
         for (int c = 0; c < kRowCols; ++c) {
-          float s = 0.f;
-#pragma unroll
-          for (int part = 0; part < L::kSplitK; ++part)
-            s += score_s[(part * kBlockM + my_row) * kScorePitch + my_col0 + c];
-          s = (j0 + my_col0 + c < row_limit) ? s * scale_log2 : -INFINITY;
-          sc[c] = s;
-          tile_max = fmaxf(tile_max, s);
+          sc[c] = (j0 + my_col0 + c < row_limit) ? sc[c] * scale_log2 : -INFINITY;
+          tile_max = fmaxf(tile_max, sc[c]);
         }
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1)
           tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
-        const float new_max = fmaxf(row_max, tile_max);
-        const float alpha = new_max == -INFINITY ? 1.f : exp2f(row_max - new_max);
+        // The running max moves only when a tile beats it by more than kRescaleLog2: P stays below
+        // 2^kRescaleLog2 (exact in fp32 sums and in 16-bit P), and most tiles skip rescaling O.
+        const float new_max = tile_max > row_max + kRescaleLog2 ? tile_max : row_max;
+        const float alpha = new_max == row_max ? 1.f : exp2f(row_max - new_max);
         float tile_sum = 0.f;
+        arch::Vec<T, kRowCols> pv;
 #pragma unroll
         for (int c = 0; c < kRowCols; ++c) {
           const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
           tile_sum += pr;
-          prob_s[my_row * kProbPitch + my_col0 + c] = arch::from_float<T>(pr);
+          pv.v[c] = arch::from_float<T>(pr);
         }
+        arch::store<T, kRowCols>(prob_s + my_row * kProbPitch + my_col0, pv);
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
         row_sum = row_sum * alpha + tile_sum;
         row_max = new_max;
         if (my_col0 == 0) alpha_s[my_row] = alpha;
+        rescale = __syncthreads_or(alpha != 1.f);
       }
-      __syncthreads();
 
-      {  // O = O * alpha + P.V
-        Mma mma;
+      {  // O = O * alpha + P.V; each P fragment is loaded once per k step for all column tiles
+        if (rescale) {
 #pragma unroll
-        for (int mt = 0; mt < L::kTilesM; ++mt)
+          for (int mt = 0; mt < L::kTilesM; ++mt)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
+            for (int i = 0; i < 8; ++i) {
+              const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
 #pragma unroll
-            for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
-          }
+              for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
+            }
+        }
         const int col0 = warp * (kLatentDim / kWarps);
 #pragma unroll
-        for (int k = 0; k < kBlockN; k += 16)
+        for (int k = 0; k < kBlockN; k += 16) {
+          typename Mma::FragA pa[L::kTilesM];
+#pragma unroll
+          for (int mt = 0; mt < L::kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
 #pragma unroll
           for (int nt = 0; nt < kTilesN; ++nt) {
-            mma.load_b_kn(kv_tile + k * kPitch + col0 + nt * 16, kPitch, lane);
+            typename Mma::FragB vb;
+            Mma::load_b_kn(vb, kv_tile + k * kPitch + col0 + nt * 16, kPitch, lane);
 #pragma unroll
-            for (int mt = 0; mt < L::kTilesM; ++mt) {
-              mma.load_a(prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
-              mma.mma(acc[mt][nt]);
-            }
+            for (int mt = 0; mt < L::kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
           }
+        }
       }
       __syncthreads();  // this stage and prob_s are rewritten next
       if constexpr (kStages<A, kBlockM> > 1) {  // refill the stage just consumed with the tile kStages ahead
@@ -372,6 +420,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int64_t flat = blockIdx.x;
+  // Packed tokens past cu_q_lens[batch] belong to no sequence: no split wrote them, and their
+  // out/lse rows stay untouched.
+  if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;

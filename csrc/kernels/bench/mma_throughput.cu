@@ -17,14 +17,16 @@ __global__ void __launch_bounds__(256) mma_throughput_kernel(int iterations, flo
     __shared__ __align__(16) T tile[16 * 24];
     for (int i = threadIdx.x; i < 16 * 24; i += blockDim.x) tile[i] = arch::from_float<T>(0.001f * (i % 7));
     __syncthreads();
-    arch::WarpMma16<A, T> mma;
+    using Mma = arch::WarpMma16<A, T>;
     const int lane = threadIdx.x & 31;
-    mma.load_a(tile, 24, lane);
-    mma.load_b_nk(tile, 24, lane);
+    typename Mma::FragA a;
+    typename Mma::FragB b;
+    Mma::load_a(a, tile, 24, lane);
+    Mma::load_b_nk(b, tile, 24, lane);
     float acc[kChains][8] = {};
     for (int it = 0; it < iterations; ++it)
 #pragma unroll
-      for (int c = 0; c < kChains; ++c) mma.mma(acc[c]);
+      for (int c = 0; c < kChains; ++c) Mma::mma(acc[c], a, b);
     float s = 0.f;
 #pragma unroll
     for (int c = 0; c < kChains; ++c)
