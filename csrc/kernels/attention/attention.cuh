@@ -22,46 +22,51 @@
 namespace mla_kv {
 namespace attention_detail {
 
-constexpr int kBlockN = 32;                 // cache rows per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPitch = kRowDim + 8;         // smem row pitch (elements): rows shift 4 banks
-constexpr int kScorePitch = kBlockN + 4;    // fp32 score row pitch
-constexpr int kProbPitch = kBlockN + 8;     // P row pitch (elements)
 constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
-constexpr int kRowsPerWarp = kBlockN / kWarps;                  // tile rows a warp loads
 constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleLog2 = 8.f;  // see the online softmax
 
-// Tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in registers. A
-// 16-row CTA keeps two stages so that two CTAs share an SM (twice the warps to hide latency).
+// Tiling of a CTA of kBlockM query rows on tag A.
+//  - kN cache rows per tile: every tile costs four block barriers and a softmax pass whatever its
+//    size, so the 32-row Sm80 CTA (one per SM, latency-bound) takes 64 rows per step; 64-row CTAs
+//    (no shared memory left for it), 16-row CTAs (two per SM instead) and the register-staged
+//    Volta/Turing path (64 rows would not fit in registers) take 32.
+//  - kStages tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in
+//    registers. A 16-row Sm80 CTA keeps two stages so that two CTAs share an SM.
+//  - Q.K^T: a warp computes kQkTilesM x C::kQkTilesN 16x16 score tiles over one of kSplitK slices of
+//    the 576-d contraction, which meet in shared memory. Bigger warp tiles reuse each loaded
+//    fragment more, more slices cost more partial sums in shared memory.
 template <class A, int kBlockM>
-constexpr int kStages = A::kMinCudaArch < 800 ? 1 : (kBlockM <= 16 ? 2 : 3);
-template <class A, int kBlockM>
-constexpr int kCtasPerSm = (A::kMinCudaArch >= 800 && kBlockM <= 16) ? 2 : 1;
-
-// Q.K^T warp tiling: a warp computes kQkTilesM x kQkTilesN 16x16 score tiles over a slice of the
-// 576-d contraction; the kSplitK slices meet in shared memory. Bigger warp tiles reuse each loaded
-// fragment more (64-row CTAs: 2 A + 1 B fragments per 4 mma instead of 1 + 1 per 2), more slices
-// cost more partial sums in shared memory.
-template <int kBlockM>
-constexpr int kQkTilesM = kBlockM >= 64 ? 2 : 1;
-constexpr int kQkTilesN = 1;
+struct Tiling {
+  static constexpr bool kAsync = A::kMinCudaArch >= 800;
+  static constexpr int kN = (kAsync && kBlockM == 32) ? 64 : 32;
+  static constexpr int kStages = !kAsync ? 1 : (kBlockM <= 16 || kN == 64) ? 2 : 3;
+  static constexpr int kCtasPerSm = (kAsync && kBlockM <= 16) ? 2 : 1;
+  static constexpr int kTilesM = kBlockM / 16;
+  static constexpr int kQkTilesM = kBlockM >= 64 ? 2 : 1;
+  static constexpr int kQkTilesN = kN == 64 ? 2 : 1;
+  static constexpr int kQkGroups = (kTilesM / kQkTilesM) * (kN / 16 / kQkTilesN);
+  static constexpr int kSplitK = kWarps / kQkGroups;  // warps sharing one group of score tiles
+  static constexpr int kScorePitch = kN + 4;          // fp32 score row pitch
+  static constexpr int kProbPitch = kN + 8;           // P row pitch (elements)
+  static constexpr int kRowsPerWarp = kN / kWarps;    // tile rows a warp loads
+  static_assert(kWarps % kQkGroups == 0 && (kRowDim / 16) % kSplitK == 0, "Q.K^T warp tiling");
+};
 
 template <class A, int kBlockM>
 struct SmemLayout {
-  static constexpr int kTilesM = kBlockM / 16;
-  static constexpr int kQkGroups = (kTilesM / kQkTilesM<kBlockM>) * (kBlockN / 16 / kQkTilesN);
-  static constexpr int kSplitK = kWarps / kQkGroups;  // warps sharing one group of score tiles
+  using C = Tiling<A, kBlockM>;
   static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
-  static constexpr size_t kKv = size_t(kStages<A, kBlockM>) * kBlockN * kPitch * 2;
-  static constexpr size_t kScores = size_t(kSplitK) * kBlockM * kScorePitch * 4;
-  static constexpr size_t kProbs = size_t(kBlockM) * kProbPitch * 2;
+  static constexpr size_t kKv = size_t(C::kStages) * C::kN * kPitch * 2;
+  static constexpr size_t kScores = size_t(C::kSplitK) * kBlockM * C::kScorePitch * 4;
+  static constexpr size_t kProbs = size_t(kBlockM) * C::kProbPitch * 2;
   static constexpr size_t kRowStats = size_t(kBlockM) * 4;
   static constexpr size_t kBytes = kQ + kKv + kScores + kProbs + 3 * kRowStats;
-  static_assert(kWarps % kQkGroups == 0 && (kRowDim / 16) % kSplitK == 0, "Q.K^T warp tiling");
 };
 
 // Which sequence, query rows and kv range a CTA owns.
@@ -109,9 +114,12 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
 }
 
 template <class A, class T, int kBlockM, class Rows>
-__global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_kernel(const AttentionParams p, const Rows rows) {
+__global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
     using L = SmemLayout<A, kBlockM>;
+    using C = Tiling<A, kBlockM>;
+    constexpr int kBlockN = C::kN, kStages = C::kStages, kRowsPerWarp = C::kRowsPerWarp;
+    constexpr int kScorePitch = C::kScorePitch, kProbPitch = C::kProbPitch;
     using Mma = arch::WarpMma16<A, T>;
     extern __shared__ __align__(16) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
@@ -143,11 +151,16 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
     // Tile loads: lane r finds the address of tile row r (one block-table read and division per lane
     // and tile, one tile before the data is requested); warp w then moves rows w, w + 8, ..., each
     // lane up to kVecsPerLane 16-byte vectors of a row, taking the row address by shuffle.
-    const char* next_row = nullptr;
+    constexpr int kLookups = kBlockN / 32;  // tile rows whose address a lane finds (1 or 2)
+    static_assert(kLookups == 1 || kLookups == 2, "tile rows");
+    const char* next_row[kLookups];
     auto lookup = [&](int j0) {
-      const int pos = j0 + lane;
-      const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
-      next_row = base ? rows.row_in_block(base, pos) : nullptr;
+#pragma unroll
+      for (int i = 0; i < kLookups; ++i) {
+        const int pos = j0 + 32 * i + lane;
+        const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
+        next_row[i] = base ? rows.row_in_block(base, pos) : nullptr;
+      }
     };
     int col_of[kVecsPerLane];  // where this lane's vectors go in a canonical smem row
 #pragma unroll
@@ -158,15 +171,17 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
     constexpr int kStageElems = kBlockN * kPitch;
     int4 staged[kRowsPerWarp][kVecsPerLane];  // register path only
     auto issue = [&](int stage) {
-      const unsigned long long row_bits = reinterpret_cast<unsigned long long>(next_row);
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
         const int r = warp + k * kWarps;
-        const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, row_bits, r));
+        const char* owner = next_row[0];  // (selected, not indexed: keeps next_row in registers)
+        if (kLookups > 1 && r >= 32) owner = next_row[kLookups - 1];
+        const auto row_bits = reinterpret_cast<unsigned long long>(owner);
+        const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, row_bits, r % 32));
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
           if (col_of[v] < 0) continue;
-          if constexpr (kStages<A, kBlockM> > 1) {
+          if constexpr (kStages > 1) {
             arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
                               src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
           } else {
@@ -203,54 +218,57 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
 
     // Output accumulators: warp owns 64 latent columns of every row.
     constexpr int kTilesN = kLatentDim / kWarps / 16;  // 4
-    float acc[L::kTilesM][kTilesN][8];
+    float acc[C::kTilesM][kTilesN][8];
 #pragma unroll
-    for (int mt = 0; mt < L::kTilesM; ++mt)
+    for (int mt = 0; mt < C::kTilesM; ++mt)
 #pragma unroll
       for (int nt = 0; nt < kTilesN; ++nt)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[mt][nt][i] = 0.f;
 
     // Score tiles owned by this warp in Q.K^T, and its slice of the 576-d contraction.
-    constexpr int kGroupsN = kBlockN / 16 / kQkTilesN;
-    const int group = warp % L::kQkGroups, ks = warp / L::kQkGroups;
-    const int st_m = (group / kGroupsN) * kQkTilesM<kBlockM> * 16, st_n = (group % kGroupsN) * kQkTilesN * 16;
-    constexpr int kKSlice = kRowDim / L::kSplitK;
+    constexpr int kGroupsN = kBlockN / 16 / C::kQkTilesN;
+    const int group = warp % C::kQkGroups, ks = warp / C::kQkGroups;
+    const int st_m = (group / kGroupsN) * C::kQkTilesM * 16, st_n = (group % kGroupsN) * C::kQkTilesN * 16;
+    constexpr int kKSlice = kRowDim / C::kSplitK;
 
     // Prologue: tiles 0 .. kStages-1 requested (or staged), bases of the next one looked up.
     int stage = 0;
 #pragma unroll
-    for (int t = 0; t < kStages<A, kBlockM>; ++t) {
+    for (int t = 0; t < kStages; ++t) {
       lookup(w.kv_lo + t * kBlockN);
       issue(t);
-      if constexpr (kStages<A, kBlockM> > 1) arch::cp_async_commit();
+      if constexpr (kStages > 1) arch::cp_async_commit();
     }
-    lookup(w.kv_lo + kStages<A, kBlockM> * kBlockN);
+    lookup(w.kv_lo + kStages * kBlockN);
     for (int j0 = w.kv_lo; j0 < w.kv_hi; j0 += kBlockN) {
-      if constexpr (kStages<A, kBlockM> > 1) {
-        arch::cp_async_wait<kStages<A, kBlockM> - 1>();
+      if constexpr (kStages > 1) {
+        arch::cp_async_wait<kStages - 1>();
       } else {
         stash();
       }
       __syncthreads();  // this tile (and, first time, q) visible to all warps
       const T* kv_tile = kv_s + stage * kStageElems;
-      if constexpr (kStages<A, kBlockM> == 1) {
+      if constexpr (kStages == 1) {
         issue(0);  // the next tile, into registers while this one is computed
         lookup(j0 + 2 * kBlockN);
       }
 
       {  // S = Q.K^T partial over this warp's k slice; the next step's fragments load during this
          // step's mma (two fragment buffers, resolved at compile time by the full unroll)
-        float s_acc[kQkTilesM<kBlockM>][kQkTilesN][8] = {};
-        typename Mma::FragA qa[2][kQkTilesM<kBlockM>];
-        typename Mma::FragB kb[2][kQkTilesN];
+        // A one-tile warp keeps two accumulator sets (even and odd k steps): half as long chains of
+        // dependent mma. Bigger warp tiles have independent chains already.
+        constexpr int kAccSets = C::kQkTilesM * C::kQkTilesN == 1 ? 2 : 1;
+        float s_acc[kAccSets][C::kQkTilesM][C::kQkTilesN][8] = {};
+        typename Mma::FragA qa[2][C::kQkTilesM];
+        typename Mma::FragB kb[2][C::kQkTilesN];
         const T* q_slice = q_s + st_m * kPitch + ks * kKSlice;
         const T* k_slice = kv_tile + st_n * kPitch + ks * kKSlice;
         auto load = [&](int buf, int k) {
 #pragma unroll
-          for (int i = 0; i < kQkTilesM<kBlockM>; ++i) Mma::load_a(qa[buf][i], q_slice + 16 * i * kPitch + k, kPitch, lane);
+          for (int i = 0; i < C::kQkTilesM; ++i) Mma::load_a(qa[buf][i], q_slice + 16 * i * kPitch + k, kPitch, lane);
 #pragma unroll
-          for (int j = 0; j < kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kPitch + k, kPitch, lane);
+          for (int j = 0; j < C::kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kPitch + k, kPitch, lane);
         };
         load(0, 0);
 #pragma unroll
@@ -258,19 +276,19 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
           const int buf = (k / 16) & 1;
           if (k + 16 < kKSlice) load(buf ^ 1, k + 16);
 #pragma unroll
-          for (int i = 0; i < kQkTilesM<kBlockM>; ++i)
+          for (int i = 0; i < C::kQkTilesM; ++i)
 #pragma unroll
-            for (int j = 0; j < kQkTilesN; ++j) Mma::mma(s_acc[i][j], qa[buf][i], kb[buf][j]);
+            for (int j = 0; j < C::kQkTilesN; ++j) Mma::mma(s_acc[buf % kAccSets][i][j], qa[buf][i], kb[buf][j]);
         }
         float* out_s = score_s + ks * kBlockM * kScorePitch;
 #pragma unroll
-        for (int i = 0; i < kQkTilesM<kBlockM>; ++i)
+        for (int i = 0; i < C::kQkTilesM; ++i)
 #pragma unroll
-          for (int j = 0; j < kQkTilesN; ++j)
+          for (int j = 0; j < C::kQkTilesN; ++j)
 #pragma unroll
             for (int e = 0; e < 8; ++e)
               out_s[(st_m + 16 * i + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
-                  s_acc[i][j][e];
+                  s_acc[0][i][j][e] + (kAccSets > 1 ? s_acc[kAccSets - 1][i][j][e] : 0.f);
       }
       __syncthreads();
 
@@ -282,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
 #pragma unroll
         for (int c = 0; c < kRowCols; ++c) sc[c] = 0.f;
 #pragma unroll
-        for (int part = 0; part < L::kSplitK; ++part)
+        for (int part = 0; part < C::kSplitK; ++part)
 #pragma unroll
           for (int c = 0; c < kRowCols; c += kScoreVec) {
             const ScoreVec v =
@@ -322,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
       {  // O = O * alpha + P.V; each P fragment is loaded once per k step for all column tiles
         if (rescale) {
 #pragma unroll
-          for (int mt = 0; mt < L::kTilesM; ++mt)
+          for (int mt = 0; mt < C::kTilesM; ++mt)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
               const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
@@ -333,27 +351,27 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
         const int col0 = warp * (kLatentDim / kWarps);
 #pragma unroll
         for (int k = 0; k < kBlockN; k += 16) {
-          typename Mma::FragA pa[L::kTilesM];
+          typename Mma::FragA pa[C::kTilesM];
 #pragma unroll
-          for (int mt = 0; mt < L::kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
+          for (int mt = 0; mt < C::kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
 #pragma unroll
           for (int nt = 0; nt < kTilesN; ++nt) {
             typename Mma::FragB vb;
             Mma::load_b_kn(vb, kv_tile + k * kPitch + col0 + nt * 16, kPitch, lane);
 #pragma unroll
-            for (int mt = 0; mt < L::kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
+            for (int mt = 0; mt < C::kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
           }
         }
       }
       __syncthreads();  // this stage and prob_s are rewritten next
-      if constexpr (kStages<A, kBlockM> > 1) {  // refill the stage just consumed with the tile kStages ahead
+      if constexpr (kStages > 1) {  // refill the stage just consumed with the tile kStages ahead
         issue(stage);
         arch::cp_async_commit();
-        lookup(j0 + (kStages<A, kBlockM> + 1) * kBlockN);
-        stage = stage + 1 == kStages<A, kBlockM> ? 0 : stage + 1;
+        lookup(j0 + (kStages + 1) * kBlockN);
+        stage = stage + 1 == kStages ? 0 : stage + 1;
       }
     }
-    if constexpr (kStages<A, kBlockM> > 1) arch::cp_async_wait<0>();
+    if constexpr (kStages > 1) arch::cp_async_wait<0>();
 
     // Epilogue: normalize, then write out/lse (one split) or the partial state (several).
     if (my_col0 == 0) {
@@ -365,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<A, kBlockM>)) attention_
     const int64_t total_rows = p.total_q_tokens * p.num_heads;
     const int col0 = warp * (kLatentDim / kWarps);
 #pragma unroll
-    for (int mt = 0; mt < L::kTilesM; ++mt)
+    for (int mt = 0; mt < C::kTilesM; ++mt)
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int r = mt * 16 + Mma::acc_row(lane, i);
