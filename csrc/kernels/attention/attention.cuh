@@ -422,7 +422,8 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
   }
 }
 
-// Merges the per-split partial states of the workspace into out / lse. CTA (row, chunk) owns
+// Merges the per-split partial states of the workspace into out / lse (more than kFewSplits splits;
+// fewer go to combine_few_splits_kernel below). CTA (row, chunk) owns
 // 512 / gridDim.y latent columns of one (token, head) row; its 8 warps fold disjoint sets of splits
 // (each lane two columns per 64) with independent loads in flight, then add their sums in shared
 // memory. Many splits (one long sequence) spread a row over up to 8 CTAs; few splits keep one.
@@ -509,6 +510,77 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
+// Few splits (batches that nearly fill the GPU split the KV 2-16 ways): one warp per (token, head)
+// row, each lane 16 of its 512 columns as four 16-byte pieces. Split weights travel by warp
+// shuffle (lane i holds split i's), so there is no shared memory and no barrier, and a lane keeps
+// up to 16 loads in flight (4 splits at a time).
+constexpr int kFewSplits = 16;
+
+template <class T>
+__global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(const AttentionParams p) {
+  const int64_t total_rows = p.total_q_tokens * p.num_heads;
+  const int lane = threadIdx.x & 31;
+  const int64_t flat = int64_t(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
+  if (flat >= total_rows) return;
+  if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;  // see above
+  const float* parts = static_cast<const float*>(p.workspace);
+  const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
+
+  const float own_lse = lane < p.num_splits ? lses[lane * total_rows + flat] : -INFINITY;
+  float m = own_lse;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  const float own_weight = m == -INFINITY ? 0.f : __expf(own_lse - m);
+  float denom = own_weight;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, d);
+
+  constexpr int kPieces = kLatentDim / 128;  // float4 pieces per lane: columns 4 lane + 128 g
+  float4 o[kPieces];
+#pragma unroll
+  for (int g = 0; g < kPieces; ++g) o[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i0 = 0; i0 < p.num_splits; i0 += 4) {
+    float wgt[4];
+    float4 x[4][kPieces];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      wgt[u] = __shfl_sync(0xffffffffu, own_weight, (i0 + u) & 31);
+      if (i0 + u >= p.num_splits) wgt[u] = 0.f;
+      const float* src = parts + ((i0 + u) * total_rows + flat) * kLatentDim + 4 * lane;
+#pragma unroll
+      for (int g = 0; g < kPieces; ++g)  // an empty split's partial is never read
+        x[u][g] = wgt[u] != 0.f ? *reinterpret_cast<const float4*>(src + 128 * g) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int g = 0; g < kPieces; ++g) {
+        o[g].x += wgt[u] * x[u][g].x;
+        o[g].y += wgt[u] * x[u][g].y;
+        o[g].z += wgt[u] * x[u][g].z;
+        o[g].w += wgt[u] * x[u][g].w;
+      }
+  }
+  const int64_t token = flat / p.num_heads;
+  const int h = int(flat - token * p.num_heads);
+  int64_t b = 0, t = token;
+  if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + 4 * lane;
+  const float inv = denom > 0.f ? 1.f / denom : 0.f;
+#pragma unroll
+  for (int g = 0; g < kPieces; ++g) {
+    arch::Vec<T, 4> v;
+    v.v[0] = arch::from_float<T>(o[g].x * inv);
+    v.v[1] = arch::from_float<T>(o[g].y * inv);
+    v.v[2] = arch::from_float<T>(o[g].z * inv);
+    v.v[3] = arch::from_float<T>(o[g].w * inv);
+    arch::store<T, 4>(dst + 128 * g, v);
+  }
+  if (lane == 0)
+    p.lse[b * p.lse_stride_b + t * p.lse_stride_t + int64_t(h) * p.lse_stride_h] =
+        denom > 0.f ? m + logf(denom) : -INFINITY;
+}
+
 template <class A, class T, class Rows>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream) {
   auto go = [&](auto kernel, size_t smem) {
@@ -525,8 +597,13 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
   if (s != Status::kOk || p.num_splits == 1) return s;
   if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
-  const dim3 grid(unsigned(p.total_q_tokens * p.num_heads), combine_chunks(p.num_splits));
-  combine_splits_kernel<T><<<grid, kCombineWarps * 32, 0, stream>>>(p);
+  const int64_t rows_total = p.total_q_tokens * p.num_heads;
+  if (p.num_splits <= kFewSplits) {
+    combine_few_splits_kernel<T>
+        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
+  } else {
+    combine_splits_kernel<T><<<dim3(unsigned(rows_total), combine_chunks(p.num_splits)), kCombineWarps * 32, 0, stream>>>(p);
+  }
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
