@@ -157,11 +157,7 @@ def bench_case(batch, heads, cp, rank, group, dtype):
     cache = torch.randn(num_blocks, PAGE, 576, device="cuda", dtype=dtype, generator=gen)
     table = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, -1)
     seq_lens = torch.full((batch,), CTX, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
-    schedule = mla_kv.attention_schedule(batch, 1, heads, local)
-    workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
-    out = torch.empty(batch, 1, heads, 512, device="cuda", dtype=dtype)
-    lse = torch.empty(batch, 1, heads, device="cuda")
+    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, local, dtype, gen)
 
     def attend(_):
         return parallel.cp_decode(q, cache, table, seq_lens, SCALE, cp, rank, out=out, lse=lse,

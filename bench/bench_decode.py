@@ -38,12 +38,8 @@ def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
               for _ in range(variants)]
     table = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, blocks_per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
+    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, blocks_per_seq * PAGE, dtype, gen, arch)
     scale = 1 / math.sqrt(192)
-    schedule = mla_kv.attention_schedule(batch, 1, heads, blocks_per_seq * PAGE, arch=arch)
-    workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
-    out = torch.empty(batch, 1, heads, 512, device="cuda", dtype=dtype)
-    lse = torch.empty(batch, 1, heads, device="cuda")
     if layout == "blocks":
         ptr_sets = [BlockPointerCache(
             block_ptrs=(c.data_ptr() + table.view(-1).long() * c.stride(0) * c.element_size()),

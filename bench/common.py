@@ -11,6 +11,7 @@ from typing import Callable, List
 
 import torch
 
+import mla_kv
 from mla_kv.timing import time_graph  # noqa: F401  (re-exported for the bench scripts)
 
 
@@ -53,6 +54,17 @@ def kernels_present(name: str) -> bool:
 def variants_for(bytes_per_set: int, l2_bytes: int = 60 << 20, cap: int = 64) -> int:
     """Input sets to rotate among so that their total is several times the L2 (not cache-resident)."""
     return max(2, min(cap, math.ceil(4 * l2_bytes / max(bytes_per_set, 1))))
+
+
+def decode_buffers(batch: int, heads: int, max_kv: int, dtype: torch.dtype, gen: torch.Generator, arch=None):
+    """Random q [B, 1, H, 576] and what a graph-captured decode needs besides the cache: the
+    schedule for max_kv positions, its workspace, and the out / lse tensors."""
+    q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
+    schedule = mla_kv.attention_schedule(batch, 1, heads, max_kv, arch=arch)
+    workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
+    out = torch.empty(batch, 1, heads, 512, device="cuda", dtype=dtype)
+    lse = torch.empty(batch, 1, heads, device="cuda")
+    return q, schedule, workspace, out, lse
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

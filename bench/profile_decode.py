@@ -1,19 +1,68 @@
-"""One decode launch for a profiler (ncu): python bench/profile_decode.py B CTX H [dtype]."""
+"""Decode launches for a profiler.
+
+  python bench/profile_decode.py B CTX H [dtype]    three launches, for ncu (--launch-skip 2)
+  python bench/profile_decode.py --times            per-kernel GPU times (attention, combine) of
+                                                    the decode cases RESULTS.md quotes, via torch.profiler
+"""
 import math
+import os
 import sys
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-import mla_kv
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-batch, ctx, heads = (int(a) for a in sys.argv[1:4])
-dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.bfloat16
-gen = torch.Generator(device="cuda").manual_seed(0)
-blocks = ctx // 64
-cache = torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen)
-table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
-lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
-for _ in range(3):
-    mla_kv.decode(q, cache, table, lens, 1 / math.sqrt(192))
-torch.cuda.synchronize()
+import mla_kv  # noqa: E402
+
+TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (1, 32768, 20), (8, 32768, 20)]
+
+
+def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
+    """A decode call over random data (page 64, shuffled blocks) with its schedule and workspace."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = ctx // 64
+    cache = torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen)
+    table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, ctx, dtype, gen)
+    call = lambda: mla_kv.decode(q, cache, table, lens, 1 / math.sqrt(192), out=out, lse=lse,  # noqa: E731
+                                 workspace=workspace, schedule=schedule)
+    return call, schedule
+
+
+def kernel_times(batch, ctx, heads, calls=20):
+    call, schedule = make_decode(batch, ctx, heads)
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = "attention" if "attention_kernel" in e.name else "combine" if "combine" in e.name else e.name[:40]
+            times.setdefault(name, []).append(e.device_time)
+    print(f"B={batch} ctx={ctx} H={heads} splits={schedule.num_splits}: "
+          + ", ".join(f"{k} {sum(v) / len(v):.1f} us" for k, v in times.items()))
+
+
+def main(argv):
+    if argv[:1] == ["--times"]:
+        for case in TIMED_CASES:
+            kernel_times(*case)
+        return 0
+    batch, ctx, heads = (int(a) for a in argv[:3])
+    dtype = getattr(torch, argv[3]) if len(argv) > 3 else torch.bfloat16
+    call, _ = make_decode(batch, ctx, heads, dtype)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

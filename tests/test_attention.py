@@ -82,7 +82,7 @@ def test_decode_heads_and_query_lengths(dtype, heads, s_q):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])  # 48: the division path of odd sizes
 def test_decode_block_sizes_shared_blocks_and_empty_sequences(dtype, block_size):
     gen = torch.Generator(device="cuda").manual_seed(block_size)
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]

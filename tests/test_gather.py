@@ -80,7 +80,7 @@ def batch_for(lens, block_size, gen, with_starts):
 # ------------------------------------------------------------------------------- GPU
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 24, 32, 64, 128])  # 24: the division path of odd sizes
 @pytest.mark.parametrize("with_starts", [False, True])
 def test_gather_paged_matches_reference(dtype, block_size, with_starts):
     gen = torch.Generator().manual_seed(block_size * 2 + with_starts)
@@ -133,7 +133,7 @@ def test_gather_strided_out_and_layer_of_a_pool(dtype, width, offset):
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope_first", [True, False])
-@pytest.mark.parametrize("block_seq_len", [16, 64, 128])
+@pytest.mark.parametrize("block_seq_len", [16, 48, 64, 128])
 def test_gather_block_pointers(dtype, rope_first, block_seq_len):
     gen = torch.Generator().manual_seed(block_seq_len + rope_first)
     lens = [1, 0, block_seq_len, block_seq_len + 1, 2 * block_seq_len - 1, 300]

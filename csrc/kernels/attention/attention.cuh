@@ -510,11 +510,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
-// Few splits (batches that nearly fill the GPU split the KV 2-16 ways): one warp per (token, head)
+// Few splits (batches that nearly fill the GPU split the KV 2-8 ways): one warp per (token, head)
 // row, each lane 16 of its 512 columns as four 16-byte pieces. Split weights travel by warp
 // shuffle (lane i holds split i's), so there is no shared memory and no barrier, and a lane keeps
 // up to 16 loads in flight (4 splits at a time).
-constexpr int kFewSplits = 16;
+constexpr int kFewSplits = 8;
 
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(const AttentionParams p) {
