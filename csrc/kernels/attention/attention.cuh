@@ -148,9 +148,9 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
       *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = val;
     }
 
-    // Tile loads: lane r finds the address of tile row r (one block-table read and division per lane
-    // and tile, one tile before the data is requested); warp w then moves rows w, w + 8, ..., each
-    // lane up to kVecsPerLane 16-byte vectors of a row, taking the row address by shuffle.
+    // Tile loads: lane r finds the addresses of tile rows r (and r + 32 in 64-row tiles), one
+    // block-table read each, one tile before the data is requested; warp w then moves rows w, w + 8,
+    // ..., each lane up to kVecsPerLane 16-byte vectors of a row, taking the row address by shuffle.
     constexpr int kLookups = kBlockN / 32;  // tile rows whose address a lane finds (1 or 2)
     static_assert(kLookups == 1 || kLookups == 2, "tile rows");
     const char* next_row[kLookups];
