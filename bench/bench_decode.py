@@ -66,6 +66,8 @@ def main(argv=None):
     ap = common.parser(__doc__)
     ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80"],
                     help="force a kernel variant (sm70 on a newer GPU shows the Volta code path's cost)")
+    ap.add_argument("--only", default=None, choices=["bf16-paged"],
+                    help="full grid restricted to one dtype and layout (the table RESULTS.md shows)")
     args = ap.parse_args(argv)
     if not common.kernels_present("bench_decode"):
         return 1
@@ -81,6 +83,8 @@ def main(argv=None):
         grid = [(b, c, h, d, lay) for d in dtypes for lay in ("paged", "blocks")
                 for h in (16, 20, 64, 128) for b in (1, 8, 64, 256) for c in (512, 4096, 32768)
                 if lay == "paged" or (h in (20, 128) and c == 4096)]
+        if args.only == "bf16-paged":
+            grid = [g for g in grid if g[3] == torch.bfloat16 and g[4] == "paged"]
     rows = []
     for b, c, h, d, lay in grid:
         r = run_case(b, c, h, d, lay, gen, args.arch)
