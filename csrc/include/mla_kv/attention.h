@@ -25,7 +25,7 @@ struct AttentionParams {
   int num_heads;
   // Query tokens: uniform q_len per sequence (decode: q [B, q_len, H, 576]) when cu_q_lens is
   // null, else packed (prefill: q [T, H, 576], sequence b owns tokens cu_q_lens[b]..cu_q_lens[b+1]).
-  int q_len;               // uniform q_len, or the largest q_len_b when packed (sizes the grid)
+  int q_len;               // uniform q_len (ignored when packed)
   const int* cu_q_lens;    // device [batch + 1] or nullptr
   int64_t total_q_tokens;  // batch * q_len (uniform) or T (packed)
   const int* kv_lens;      // device [batch]
@@ -60,11 +60,14 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);
 
 // Paged tensor cache: position j of sequence b is in block block_table[b * block_table_stride +
-// j / block_size], for j / block_size < max_blocks (rows past the table read as zeros).
+// j / block_size], for j / block_size < max_blocks (rows past the table read as zeros). The splits
+// must cover the table (num_splits * tokens_per_split >= max_blocks * block_size), else
+// kInvalidArgument: a shorter schedule would drop keys.
 Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
                             int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream);
 
-// TurboMind block pointers: positions of sequence b are in block_ptrs[cu_block_nums[b] + i].
+// TurboMind block pointers: positions of sequence b are in block_ptrs[cu_block_nums[b] + i]. The
+// splits must cover every sequence's kv_len (device data: the caller's bound, not checked here).
 Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache, Arch arch,
                              cudaStream_t stream);
 

@@ -81,6 +81,8 @@ size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_s
 
 Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
                             int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
+  if (int64_t(params.num_splits) * params.tokens_per_split < int64_t(max_blocks) * cache.block_size)
+    return Status::kInvalidArgument;
   const PagedTableRows rows{cache, block_table, block_table_stride, max_blocks};
   return dispatch(params, rows, arch, stream);
 }
