@@ -43,8 +43,6 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def kernels_present(name: str) -> bool:
     """False, after saying why on stderr, when there is no GPU or the kernels were not built."""
-    import mla_kv
-
     if torch.cuda.is_available() and mla_kv.kernels_available():
         return True
     print(f"{name}: needs a CUDA GPU and the compiled kernels", file=sys.stderr)

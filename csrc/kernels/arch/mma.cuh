@@ -136,25 +136,20 @@ struct WarpMma16<Sm70, __half> {
   __device__ __forceinline__ static int quad_pair(int lane) { return (lane >> 2) & 3; }
   __device__ __forceinline__ static int own_index(int lane) { return (lane & 3) + ((lane >> 4) << 2); }
 
-  __device__ __forceinline__ static void load_a(FragA& f, const __half* s, int ld, int lane) {
-    const int q = quad_pair(lane);
-    const __half* row = s + ((q & 1) * 8 + own_index(lane)) * ld;
+  // A lane's 16 k values of one row (A [m][k]) or column (B stored [n][k]): four k steps of 4.
+  __device__ __forceinline__ static void load_k_run(uint32_t (&r)[4][2], const __half* run) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * k);
-      f.r[k][0] = v.x;
-      f.r[k][1] = v.y;
+      const uint2 v = *reinterpret_cast<const uint2*>(run + 4 * k);
+      r[k][0] = v.x;
+      r[k][1] = v.y;
     }
   }
+  __device__ __forceinline__ static void load_a(FragA& f, const __half* s, int ld, int lane) {
+    load_k_run(f.r, s + ((quad_pair(lane) & 1) * 8 + own_index(lane)) * ld);
+  }
   __device__ __forceinline__ static void load_b_nk(FragB& f, const __half* s, int ld, int lane) {
-    const int q = quad_pair(lane);
-    const __half* col = s + ((q >> 1) * 8 + own_index(lane)) * ld;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint2 v = *reinterpret_cast<const uint2*>(col + 4 * k);
-      f.r[k][0] = v.x;
-      f.r[k][1] = v.y;
-    }
+    load_k_run(f.r, s + ((quad_pair(lane) >> 1) * 8 + own_index(lane)) * ld);
   }
   __device__ __forceinline__ static void load_b_kn(FragB& f, const __half* s, int ld, int lane) {
     const int q = quad_pair(lane);
