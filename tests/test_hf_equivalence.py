@@ -164,19 +164,24 @@ def absorbed_queries(attn, hidden, w_uk):
     return torch.cat([absorb_q(q[..., :NOPE], w_uk), q[..., NOPE:]], -1)
 
 
+def pipeline(case, attn_implementation, lens):
+    """What both pipeline tests start from: the HF module, the MLA scale and rope table, the split
+    kv_b_proj, an empty paged cache for `lens` and random hidden states per sequence."""
+    config, attn, _ = build(case, attn_implementation)
+    scale = mla_softmax_scale(NOPE, ROPE, config.rope_parameters)
+    table = cos_sin_cache(ROPE, 128, scaling=config.rope_parameters, dtype=torch.float64)
+    w_uk, w_uv = split_kv_b_proj(attn.kv_b_proj.weight, HEADS, NOPE, V, 512)
+    hidden = [torch.randn(n, config.hidden_size, dtype=torch.float64) for n in lens]
+    return config, attn, scale, table, w_uk, w_uv, PagedCache(lens), hidden
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_pipeline_matches_hf(case, precision):
     attn_implementation, rel_tol = precision
-    config, attn, _ = build(case, attn_implementation)
-    scale = mla_softmax_scale(NOPE, ROPE, config.rope_parameters)
     lens = [13, 21]
     offsets = [0, 40]  # rope positions of a sequence's first token
-    table = cos_sin_cache(ROPE, 128, scaling=config.rope_parameters, dtype=torch.float64)
-    w_uk, w_uv = split_kv_b_proj(attn.kv_b_proj.weight, HEADS, NOPE, V, 512)
-    paged = PagedCache(lens)
-
-    hidden = [torch.randn(n, config.hidden_size, dtype=torch.float64) for n in lens]
+    config, attn, scale, table, w_uk, w_uv, paged, hidden = pipeline(case, attn_implementation, lens)
     queries = []
     for b, n in enumerate(lens):
         q_full = absorbed_queries(attn, hidden[b], w_uk)
@@ -200,14 +205,8 @@ def test_prefill_pipeline_matches_hf(case, precision):
 @pytest.mark.parametrize("s_q", [1, 2])
 def test_decode_pipeline_matches_hf(case, s_q, precision):
     attn_implementation, rel_tol = precision
-    config, attn, _ = build(case, attn_implementation)
-    scale = mla_softmax_scale(NOPE, ROPE, config.rope_parameters)
     lens = [17, 9, 24]  # 17 and 24 run past one and two blocks of 8
-    table = cos_sin_cache(ROPE, 128, scaling=config.rope_parameters, dtype=torch.float64)
-    w_uk, w_uv = split_kv_b_proj(attn.kv_b_proj.weight, HEADS, NOPE, V, 512)
-    paged = PagedCache(lens)
-
-    hidden = [torch.randn(n, config.hidden_size, dtype=torch.float64) for n in lens]
+    config, attn, scale, table, w_uk, w_uv, paged, hidden = pipeline(case, attn_implementation, lens)
     new_q = []
     for b, n in enumerate(lens):
         cached = torch.arange(n - s_q)  # the prompt so far, already in the cache
