@@ -219,10 +219,11 @@ def test_prefill_chunked_equals_one_shot():
     assert (chunked_lse - lse).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 12])
 def test_prefill_leaves_padded_rows_untouched(splits):
     """q/out with more rows than cu_q_lens[B] (a CUDA-graph batch padded to a fixed T): rows past
-    the last sequence keep their bytes, with and without split-KV (whose combine step must skip them)."""
+    the last sequence keep their bytes, with and without split-KV (whose combine step must skip them;
+    4 splits take the warp-per-row combine, 12 the many-split one)."""
     gen = torch.Generator(device="cuda").manual_seed(40 + splits)
     dtype, heads, q_lens, kv_lens, pad = torch.float16, 20, [70, 1], [200, 90], 13
     num_blocks = 12
