@@ -604,9 +604,9 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at T: checked with
     ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
-    include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b positions: when
-    causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len. Cache arguments
-    as in decode. Returns out [T, H, 512] and lse [T, H] float32. Reference: mla_kv.reference.prefill.
+    include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b
+    positions: when causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len.
+    Cache arguments as in decode. Returns out [T, H, 512] and lse [T, H] float32. Reference: mla_kv.reference.prefill.
     """
     _check_q(q, 3)
     tokens, heads, _ = q.shape
