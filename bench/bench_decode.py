@@ -64,7 +64,7 @@ def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
 
 def main(argv=None):
     ap = common.parser(__doc__)
-    ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80"],
+    ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80", "sm90"],
                     help="force a kernel variant (sm70 on a newer GPU shows the Volta code path's cost)")
     ap.add_argument("--only", default=None, choices=["bf16-paged"],
                     help="full grid restricted to one dtype and layout (the table RESULTS.md shows)")
@@ -92,7 +92,7 @@ def main(argv=None):
         r["% mma"] = 100 * r["TFLOP/s"] * 1e12 / ceilings[d]
         rows.append(r)
         torch.cuda.empty_cache()
-    print(f"device copy bandwidth (read+write): {copy_bw / 1e9:,.0f} GB/s; mma.sync ceiling: "
+    print(f"device copy bandwidth (read+write): {copy_bw / 1e9:,.0f} GB/s; tensor-core ceiling: "
           + ", ".join(f"{str(d).split('.')[1]} {v / 1e12:,.0f} TFLOP/s" for d, v in ceilings.items()))
     common.print_table(rows, ["arch", "layout", "dtype", "B", "ctx", "H", "splits", "ms", "GB/s", "% copy", "TFLOP/s",
                               "% mma", "native_ms", "native_GB/s"])

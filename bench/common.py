@@ -102,7 +102,8 @@ def device_info() -> dict:
 
 
 def mma_ceiling(dtype: torch.dtype, arch=None) -> float:
-    """FLOP/s of the attention kernels' warp-level tensor-core tile (mma.sync) on this GPU."""
+    """FLOP/s of the tensor-core instruction the attention kernel of ``arch`` (default: the GPU's
+    best) uses: mma.sync m16n8k16 (sm80) or wgmma m64n256k16 (sm90)."""
     from mla_kv import ops
 
     c = ops._C

@@ -48,7 +48,8 @@ PYBIND11_MODULE(_C, m) {
       .value("auto", Arch::kAuto)
       .value("sm70", Arch::kSm70)
       .value("sm75", Arch::kSm75)
-      .value("sm80", Arch::kSm80);
+      .value("sm80", Arch::kSm80)
+      .value("sm90", Arch::kSm90);
   py::enum_<RopeStyle>(m, "RopeStyle")
       .value("interleaved", RopeStyle::kInterleaved)
       .value("neox", RopeStyle::kNeox);

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on the build
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ROPE_STYLES = ("interleaved", "neox")
-_ARCH_TAGS = ("sm70", "sm75", "sm80")
+_ARCH_TAGS = ("sm70", "sm75", "sm80", "sm90")
 
 
 def kernels_available() -> bool:
@@ -215,7 +215,7 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     [num_blocks, block_size, 576] (fp16, bf16 on sm80+, fp32; same dtype as the inputs), slot_mapping
     int64 [T]: token t goes to slot slot_mapping[t] = block * block_size + offset; negative slots are
     padded tokens and are skipped. Reference: mla_kv.reference.write_kv.
-    ``arch`` forces a kernel variant ("sm70", "sm75", "sm80") for testing; ``validate`` checks slot
+    ``arch`` forces a kernel variant ("sm70", "sm75", "sm80", "sm90") for testing; ``validate`` checks slot
     values on the host first.
     """
     _check_paged_cache(kv_cache)
@@ -762,7 +762,7 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     Without ``validate`` the kernel leaves rows the cache does not cover (block table too short, block
     ids outside the cache, negative positions) untouched and fills only the first N rows of an ``out``
     shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and
-    fp32 run on every arch tag (``arch`` forces "sm70", "sm75" or "sm80" for testing). CPU tensors run
+    fp32 run on every arch tag (``arch`` forces "sm70", "sm75", "sm80" or "sm90" for testing). CPU tensors run
     the reference, which always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)

@@ -9,6 +9,7 @@ enum class Arch : int {
   kSm70 = 70,  // Volta: fp16/fp32 only, mma.m8n8k4, no cp.async/ldmatrix
   kSm75 = 75,  // Turing: mma.m16n8k8, ldmatrix
   kSm80 = 80,  // Ampere and newer: mma.m16n8k16 (fp16, bf16), cp.async
+  kSm90 = 90,  // Hopper: wgmma in attention (other ops run their Sm80 variant)
 };
 
 // Compute capability (major * 10 + minor) of the current device, cached per device.

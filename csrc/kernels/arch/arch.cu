@@ -48,6 +48,7 @@ Arch resolve_arch(Arch requested, int compute_capability) {
   const int target = best_compiled_target(compute_capability);
   if (target == 0) return Arch::kAuto;
   if (requested == Arch::kAuto) {
+    if (target >= 90) return Arch::kSm90;
     if (target >= 80) return Arch::kSm80;
     return target >= 75 ? Arch::kSm75 : Arch::kSm70;
   }

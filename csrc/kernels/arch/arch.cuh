@@ -24,11 +24,19 @@ struct Sm80 {
   static constexpr int kMinCudaArch = 800;
   static constexpr bool kHasBf16 = true;
 };
+// Hopper: wgmma, which exists only in sm_90a code (the build compiles its sm_90 target as sm_90a).
+struct Sm90 {
+  static constexpr int kMinCudaArch = 900;
+  static constexpr bool kHasBf16 = true;
+};
 
 // True in the device pass for a target that can run tag A's instructions (and on the host).
 template <class A>
 __host__ __device__ constexpr bool target_supports() {
 #if defined(__CUDA_ARCH__)
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (A::kMinCudaArch >= 900) return false;
+#endif
   return __CUDA_ARCH__ >= A::kMinCudaArch;
 #else
   return true;

@@ -11,11 +11,20 @@ namespace mla_kv {
 namespace {
 
 constexpr int kMinTokensPerSplit = 256;
-constexpr int kTileTokens = 32;  // attention_detail::kBlockN
+constexpr int kTileTokens = 64;  // splits end on tile boundaries of every CTA shape
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
+// Hopper runs CTAs of more than 16 query rows on the wgmma kernel (64 rows, padded). 16 rows or
+// fewer stay on the Sm80 kernel: two 16-row CTAs share an SM there, and 64-row padding would
+// quadruple the tensor work (H200, B=64 ctx 4K: 71% of copy bandwidth there, 58% on wgmma).
+bool uses_wgmma(int64_t rows, Arch arch) { return arch == Arch::kSm90 && rows > 16; }
+
+// The mma.sync kernel variant a tag runs (Hopper's is Ampere's).
+Arch mma_sync_arch(Arch arch) { return arch == Arch::kSm90 ? Arch::kSm80 : arch; }
+
 int block_m_for(int64_t rows, Arch arch) {
+  if (uses_wgmma(rows, arch)) return 64;
   if (rows <= 16) return 16;
   // Volta's 96 KB of shared memory holds a 32-row Q tile next to the KV tile, not a 64-row one.
   if (rows <= 32 || arch == Arch::kSm70) return 32;
@@ -43,11 +52,16 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   const int block_m = block_m_for(rows_per_seq, tag);
   const int grid_x = grid_x_for(p, block_m);
   using namespace attention_detail;
+  if (uses_wgmma(rows_per_seq, tag)) {
+    return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
+                                       : launch_attention_wgmma<__half>(p, rows, grid_x, stream);
+  }
+  const Arch mma_tag = mma_sync_arch(tag);
   if (p.dtype == DType::kBFloat16) {
-    if (tag != Arch::kSm80) return Status::kUnsupportedDType;
+    if (mma_tag != Arch::kSm80) return Status::kUnsupportedDType;
     return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, block_m, grid_x, stream);
   }
-  switch (tag) {
+  switch (mma_tag) {
     case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, block_m, grid_x, stream);
     case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, block_m, grid_x, stream);
     default: return launch_attention<arch::Sm80, __half>(p, rows, block_m, grid_x, stream);
@@ -65,7 +79,9 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   // many pieces as fit in one wave (a CTA holds a whole SM's shared memory): a second, partial wave
   // would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
   // (16-row CTAs of the Sm80 kernel run two per SM.)
-  const int64_t slots = int64_t(sm_count) * (block_m == 16 && arch != Arch::kSm70 && arch != Arch::kSm75 ? 2 : 1);
+  const Arch mma_tag = mma_sync_arch(arch);
+  const int64_t slots =
+      int64_t(sm_count) * (block_m == 16 && mma_tag != Arch::kSm70 && mma_tag != Arch::kSm75 ? 2 : 1);
   int splits = 1;
   if (2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)
     splits = std::max(1, std::min<int>(int(slots / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));

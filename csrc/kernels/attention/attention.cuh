@@ -581,6 +581,21 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
+// Merges the splits of a launch (nothing to do for one split).
+template <class T>
+Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
+  if (p.num_splits == 1) return Status::kOk;
+  if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
+  const int64_t rows_total = p.total_q_tokens * p.num_heads;
+  if (p.num_splits <= kFewSplits) {
+    combine_few_splits_kernel<T>
+        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
+  } else {
+    combine_splits_kernel<T><<<dim3(unsigned(rows_total), combine_chunks(p.num_splits)), kCombineWarps * 32, 0, stream>>>(p);
+  }
+  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+}
+
 template <class A, class T, class Rows>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream) {
   auto go = [&](auto kernel, size_t smem) {
@@ -595,16 +610,7 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
   else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
-  if (s != Status::kOk || p.num_splits == 1) return s;
-  if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
-  const int64_t rows_total = p.total_q_tokens * p.num_heads;
-  if (p.num_splits <= kFewSplits) {
-    combine_few_splits_kernel<T>
-        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
-  } else {
-    combine_splits_kernel<T><<<dim3(unsigned(rows_total), combine_chunks(p.num_splits)), kCombineWarps * 32, 0, stream>>>(p);
-  }
-  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+  return s == Status::kOk ? launch_combine<T>(p, stream) : s;
 }
 
 }  // namespace attention_detail

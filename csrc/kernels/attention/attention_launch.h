@@ -11,6 +11,10 @@ namespace attention_detail {
 template <class A, class T, class Rows>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream);
 
+// Hopper: 64-row CTAs on wgmma (attention_sm90.cuh).
+template <class T, class Rows>
+Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream);
+
 }  // namespace attention_detail
 }  // namespace mla_kv
 
@@ -19,3 +23,9 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
       const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, int, cudaStream_t);             \
   template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::BlockPointerTableRows>( \
       const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, int, cudaStream_t);
+
+#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA(T)                                                           \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::PagedTableRows>(       \
+      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, cudaStream_t);                   \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::BlockPointerTableRows>( \
+      const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, cudaStream_t);
