@@ -25,3 +25,25 @@ def test_attention_paged_refuses_splits_short_of_the_block_table():
         _C.attention_paged(paged_params(1, 256), cache, 0, max_blocks, max_blocks, _C.Arch.auto, 0)
     except RuntimeError as e:
         assert "invalid argument" not in str(e)
+
+
+@pytest.mark.parametrize("arch", ["sm70", "sm75", "sm80", "sm90"])
+def test_schedule_covers_the_context_in_one_wave(arch):
+    """Every tag's schedule (sm90 included; an explicit tag needs no device): the splits cover
+    max_kv_len, none is empty, they end on 64-token tile boundaries, and split CTAs fit one wave of
+    132 SMs (at most two CTAs per SM, at least one CTA per 64 query rows)."""
+    tag = getattr(_C.Arch, arch)
+    sms = 132
+    for batch in (1, 3, 64, 512):
+        for heads in (1, 5, 16, 20, 64, 128):
+            for q_len in (1, 4):
+                for max_kv in (1, 255, 4096, 262144):
+                    s = _C.make_attention_schedule(batch, q_len, heads, max_kv, sms, tag)
+                    what = f"{arch} B={batch} H={heads} S_q={q_len} kv={max_kv}: {s.num_splits} x {s.tokens_per_split}"
+                    assert 1 <= s.num_splits <= _C.max_attention_splits, what
+                    assert s.num_splits * s.tokens_per_split >= max_kv, what
+                    assert (s.num_splits - 1) * s.tokens_per_split < max_kv, what
+                    assert s.tokens_per_split % 64 == 0, what
+                    if s.num_splits > 1:
+                        min_ctas = batch * -(-q_len * heads // 64)
+                        assert min_ctas * s.num_splits <= 2 * sms, what
