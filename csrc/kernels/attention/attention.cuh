@@ -113,6 +113,16 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
   return true;
 }
 
+// 16-byte vector c of the CTA's query row r (zeros past the sequence's last row, rows_here).
+template <class T>
+__device__ __forceinline__ int4 q_vector(const AttentionParams& p, const Work& w, int r, int c, int rows_here) {
+  if (r >= rows_here) return make_int4(0, 0, 0, 0);
+  const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
+  const T* src = static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
+                 (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
+  return *reinterpret_cast<const int4*>(src + c * 8);
+}
+
 template <class A, class T, int kBlockM, class Rows>
 __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
@@ -138,14 +148,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
     // Q rows -> smem (zero rows past the sequence's last row).
     for (int v = tid; v < kBlockM * kVecsPerRow; v += kThreads) {
       const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-      int4 val = make_int4(0, 0, 0, 0);
-      if (r < rows_here) {
-        const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-        const T* src = static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
-                       (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
-        val = *reinterpret_cast<const int4*>(src + c * 8);
-      }
-      *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = val;
+      *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = q_vector<T>(p, w, r, c, rows_here);
     }
 
     // Tile loads: lane r finds the addresses of tile rows r (and r + 32 in 64-row tiles), one

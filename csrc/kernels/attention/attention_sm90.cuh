@@ -60,14 +60,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     // Q rows -> swizzled smem (zero rows past the sequence's last row).
     for (int v = tid; v < kRows * kVecsPerRow; v += kThreads) {
       const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-      int4 val = make_int4(0, 0, 0, 0);
-      if (r < rows_here) {
-        const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-        const T* src = static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
-                       (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
-        val = *reinterpret_cast<const int4*>(src + c * 8);
-      }
-      *reinterpret_cast<int4*>(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8)) = val;
+      *reinterpret_cast<int4*>(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8)) =
+          q_vector<T>(p, w, r, c, rows_here);
     }
 
     // Tile loads: lane t < 8 of warp w finds the address of tile row 8 w + t one tile ahead; the
