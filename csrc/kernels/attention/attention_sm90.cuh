@@ -54,7 +54,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     Work w;
     if (!find_work<kRows>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int group = warp / 4;  // warpgroup
+    // Warpgroup index, broadcast from lane 0 so that the compiler knows it is warp-uniform: the wgmma
+    // descriptors derived from it then stay in uniform registers (otherwise each of the 36 score
+    // wgmma waits for its descriptor to be rebuilt in vector registers and moved over).
+    const int group = __shfl_sync(0xffffffffu, warp / 4, 0);
     const int rows_here = min(kRows, w.q_len * p.num_heads - w.row0);
 
     // Q rows -> swizzled smem (zero rows past the sequence's last row).
