@@ -47,3 +47,21 @@ def test_schedule_covers_the_context_in_one_wave(arch):
                     if s.num_splits > 1:
                         min_ctas = batch * -(-q_len * heads // 64)
                         assert min_ctas * s.num_splits <= 2 * sms, what
+
+
+def test_resolve_arch_takes_sm90_on_hopper_only():
+    """The auto tag is the newest variant the build has for a GPU (Sm90 needs sm_90 code, compiled as
+    sm_90a); a forced tag runs only where the build has code at or above it."""
+    built = [int(a) for a in _C.compiled_cuda_archs().split(",")]
+    tags = {70: _C.Arch.sm70, 75: _C.Arch.sm75, 80: _C.Arch.sm80, 90: _C.Arch.sm90}
+    for cc in (70, 75, 80, 86, 89, 90):
+        target = max([a for a in built if a <= cc], default=0)
+        best = max([t for t in tags if t <= target], default=None)
+        want_auto = tags[best] if target and best else _C.Arch.auto
+        assert _C.resolve_arch(_C.Arch.auto, cc) == want_auto, f"auto on sm_{cc} (built {built})"
+        for t, tag in tags.items():
+            want = tag if target and t <= target else _C.Arch.auto
+            assert _C.resolve_arch(tag, cc) == want, f"{tag} on sm_{cc} (built {built})"
+    if 90 in built:
+        assert _C.resolve_arch(_C.Arch.auto, 90) == _C.Arch.sm90
+        assert _C.resolve_arch(_C.Arch.sm80, 90) == _C.Arch.sm80  # the mma.sync kernel stays testable

@@ -38,6 +38,7 @@ constexpr size_t kKvOffset = kTileBytes;
 constexpr size_t kProbOffset = kKvOffset + size_t(kStages) * kTileBytes;
 constexpr size_t kStatsOffset = kProbOffset + kRows * arch::kSwizzleRowBytes;
 constexpr size_t kBytes = kStatsOffset + 2 * 2 * kRows * sizeof(float) + arch::kSwizzleAtomBytes;
+static_assert(kBytes <= 227 * 1024, "Hopper's shared memory per CTA");
 
 template <class T, class Rows>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const AttentionParams p, const Rows rows) {
