@@ -85,6 +85,18 @@ def test_decode_heads_and_query_lengths(dtype, heads, s_q):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,s_q", [(33, 1), (33, 3), (100, 1), (100, 3)])
+def test_decode_odd_head_counts_across_cta_rows(dtype, heads, s_q):
+    """Head counts that do not divide the 64-row CTA (the Sm90 kernel's, and the Sm80 kernel's above
+    32 rows): a CTA's rows end inside a query token, the last CTA of a sequence is part padding."""
+    gen = torch.Generator(device="cuda").manual_seed(heads + s_q)
+    lens = [s_q, 64 + s_q, 700]
+    for arch in archs_for(dtype):
+        out, lse, ref_out, ref_lse = run_decode_case(lens, heads, s_q, 64, dtype, gen, arch=arch)
+        check(out, lse, ref_out, ref_lse, dtype, f"H={heads} S_q={s_q} arch={arch}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])  # 48: the division path of odd sizes
 def test_decode_block_sizes_shared_blocks_and_empty_sequences(dtype, block_size):
     gen = torch.Generator(device="cuda").manual_seed(block_size)
