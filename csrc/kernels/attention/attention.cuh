@@ -587,8 +587,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
 // Merges the splits of a launch (nothing to do for one split).
 template <class T>
 Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
-  if (p.num_splits == 1) return Status::kOk;
-  if (p.num_splits > kMaxAttentionSplits) return Status::kInvalidArgument;
+  if (p.num_splits == 1) return Status::kOk;  // (dispatch checked 1 <= num_splits <= kMaxAttentionSplits)
   const int64_t rows_total = p.total_q_tokens * p.num_heads;
   if (p.num_splits <= kFewSplits) {
     combine_few_splits_kernel<T>
