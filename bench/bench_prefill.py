@@ -1,5 +1,5 @@
-"""Benchmark of prefill: the absorbed kernel (mla_kv.prefill) against the tensor-core ceiling measured in
-the same run, and the absorbed and expanded routes end to end side by side.
+"""Benchmark of prefill: the absorbed kernel (mla_kv.prefill) against the tensor-core ceiling measured
+in the same run, and the absorbed and expanded routes end to end side by side.
 
 FLOPs of the absorbed kernel: 2176 per visible (query, key, head) triple (2 x 576 for the score and
 2 x 512 for P.V); causally, query i of a sequence with q_len queries over kv_len keys sees
@@ -155,8 +155,8 @@ def main(argv=None):
         r["% mma"] = 100 * r["TFLOP/s"] * 1e12 / ceilings[dtype]
         rows.append(r)
         torch.cuda.empty_cache()
-    print("tensor-core ceiling (the instruction the kernel uses): " + ", ".join(f"{str(d).split('.')[1]} {v / 1e12:,.0f} TFLOP/s"
-                                           for d, v in ceilings.items()))
+    print("tensor-core ceiling (the instruction the kernel uses): "
+          + ", ".join(f"{str(d).split('.')[1]} {v / 1e12:,.0f} TFLOP/s" for d, v in ceilings.items()))
     common.print_table(rows, ["case", "model", "dtype", "B", "H", "kernel_ms", "TFLOP/s", "% mma", "absorbed_ms",
                               "expanded_ms", "expanded/absorbed", "winner", "rel_diff"])
     heads, seq, dtype, goal = TARGET

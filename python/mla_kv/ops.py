@@ -215,8 +215,8 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     [num_blocks, block_size, 576] (fp16, bf16 on sm80+, fp32; same dtype as the inputs), slot_mapping
     int64 [T]: token t goes to slot slot_mapping[t] = block * block_size + offset; negative slots are
     padded tokens and are skipped. Reference: mla_kv.reference.write_kv.
-    ``arch`` forces a kernel variant ("sm70", "sm75", "sm80", "sm90") for testing; ``validate`` checks slot
-    values on the host first.
+    ``arch`` forces a kernel variant ("sm70", "sm75", "sm80"; "sm90" runs the sm80 kernel) for
+    testing; ``validate`` checks slot values on the host first.
     """
     _check_paged_cache(kv_cache)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
@@ -558,6 +558,8 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     Returns out [B, S_q, H, 512] (q's dtype) and lse [B, S_q, H] float32 (natural log); a query that
     sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
     attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
+    ``arch`` forces a kernel variant for testing ("sm70", "sm75", "sm80"; "sm90" runs CTAs of more
+    than 16 query rows on the Hopper wgmma kernel, smaller ones on the sm80 kernel).
     Reference: mla_kv.reference.decode.
     """
     _check_q(q, 4)
@@ -606,7 +608,8 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
     include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b
     positions: when causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len.
-    Cache arguments as in decode. Returns out [T, H, 512] and lse [T, H] float32. Reference: mla_kv.reference.prefill.
+    Cache arguments and ``arch`` as in decode. Returns out [T, H, 512] and lse [T, H] float32.
+    Reference: mla_kv.reference.prefill.
     """
     _check_q(q, 3)
     tokens, heads, _ = q.shape
@@ -762,8 +765,8 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     Without ``validate`` the kernel leaves rows the cache does not cover (block table too short, block
     ids outside the cache, negative positions) untouched and fills only the first N rows of an ``out``
     shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and
-    fp32 run on every arch tag (``arch`` forces "sm70", "sm75", "sm80" or "sm90" for testing). CPU tensors run
-    the reference, which always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
+    fp32 run on every arch tag (``arch`` forces "sm70", "sm75" or "sm80" for testing; "sm90" runs the
+    sm80 kernel). CPU tensors run the reference, which always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_kv_lens.shape[0] < 2:
