@@ -104,5 +104,9 @@ __device__ __forceinline__ int canonical_column(const RowLayout& row, int e) {
   return (e >= row.latent_offset && e < row.latent_offset + kLatentDim) ? e - row.latent_offset
                                                                         : kLatentDim + e - row.rope_offset;
 }
+// The inverse: the element of a stored row that holds canonical column c.
+__device__ __forceinline__ int stored_column(const RowLayout& row, int c) {
+  return c < kLatentDim ? row.latent_offset + c : row.rope_offset + c - kLatentDim;
+}
 
 }  // namespace mla_kv

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) warpgroup MMA: shared-memory operand descriptors, the async fences and the two
-// wgmma shapes the attention kernel uses. Everything here compiles to nothing outside an sm_90a
-// device pass (MLA_KV_HAS_WGMMA), where the Sm90 kernels that call it are never launched.
+// Hopper (sm_90a) warpgroup MMA: shared-memory operand descriptors, the async fences, the pipeline
+// barriers and the wgmma shapes the attention kernel uses. Everything here compiles to nothing
+// outside an sm_90a device pass (MLA_KV_HAS_WGMMA), where the Sm90 kernels that call it are never
+// launched.
 //
 // Operands live in shared memory in the 128-byte swizzled layout: a matrix of 16-bit elements is
 // stored as chunks of 64 columns; a chunk holds its rows at a 128-byte pitch and the 16-byte unit u
@@ -71,79 +72,135 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// D[64 x N] (fp32, registers) = A[64 x 16] . B[16 x N] (+ D when `accumulate`), A and B from
-// shared memory; A K-major; B K-major ([n][k] rows) or, kBMnMajor, MN-major ([k][n] rows).
+// Hopper's pipeline primitives beyond wgmma: mbarriers that cp.async copies complete, and named
+// barriers through which the two warpgroups hand each other work (ids 1.., 0 is __syncthreads).
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(arrivals) : "memory");
+#endif
+}
+// One arrival on `bar` once every cp.async this thread issued before has landed.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
+#endif
+}
+// Waits for the completion of `bar`'s phase of parity `parity`.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if MLA_KV_HAS_WGMMA
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  }
+#endif
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
+// D[64 x N] (fp32, registers) = A[64 x 16] . B[16 x N] (+ D when `accumulate`). A K-major, from
+// shared memory (a descriptor) or from registers (a[4]: the mma.sync m16n8k16 A fragment of the
+// warp's 16 rows); B from shared memory, K-major ([n][k] rows) or, kBMnMajor, MN-major ([k][n]).
 // Accumulator layout: warp w of the warpgroup holds rows 16 w .. 16 w + 15; lane l holds, for each
 // 8-column block j, d[4 j + 2 h + e] = D[16 w + l / 4 + 8 h][8 j + 2 (l % 4) + e].
 template <class T, int N, bool kBMnMajor>
 struct Wgmma;
 
 #if MLA_KV_HAS_WGMMA
-// The scores' shape (B K-major) and the output's (B MN-major), for each 16-bit type.
-#define MLA_KV_WGMMA_M64N32_K_MAJOR(T, PTX_TYPE)                                                                     \
-  template <> struct Wgmma<T, 32, false> {                                                                           \
-    static __device__ __forceinline__ void mma(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {             \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                      \
-                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE " {"                          \
-                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                            \
-                   "}, %16, %17, p, 1, 1, 0, 0;\n}\n"                                                                \
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),                         \
-                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                       \
-                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                                              \
+// Operand lists of the 32 and 128 accumulator registers.
+#define MLA_KV_WGMMA_D32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+
+#define MLA_KV_WGMMA_D32_OUT(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+  "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+  "+f"(d[30]), "+f"(d[31])
+
+#define MLA_KV_WGMMA_D128 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+  "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+  "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, " \
+  "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, " \
+  "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+#define MLA_KV_WGMMA_D128_OUT(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+  "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+  "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+  "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+  "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), \
+  "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), \
+  "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), \
+  "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), \
+  "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), \
+  "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), \
+  "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), \
+  "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), \
+  "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), \
+  "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), \
+  "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+// The scores' shape (m64n64k16, B K-major) and the output's (m64n256k16, B MN-major, A from shared
+// memory or registers), for each 16-bit type.
+#define MLA_KV_WGMMA_SHAPES(T, PTX_TYPE)                                                                              \
+  template <> struct Wgmma<T, 64, false> {                                                                           \
+    static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {             \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                      \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {" MLA_KV_WGMMA_D32         \
+                   "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                                \
+                   : MLA_KV_WGMMA_D32_OUT(d)                                                                         \
                    : "l"(a), "l"(b), "r"(accumulate));                                                               \
     }                                                                                                                \
-  };
-
-#define MLA_KV_WGMMA_M64N256_MN_MAJOR(T, PTX_TYPE)                                                                   \
+  };                                                                                                                 \
   template <> struct Wgmma<T, 256, true> {                                                                           \
     static __device__ __forceinline__ void mma(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {            \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                     \
-                   "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {"                         \
-                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
-                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
-                   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
-                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                \
-                   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                \
-                   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                \
-                   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
-                   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
+                   "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {" MLA_KV_WGMMA_D128       \
                    "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                              \
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),                         \
-                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                       \
-                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),                   \
-                     "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                   \
-                     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),                   \
-                     "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),                   \
-                     "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),                   \
-                     "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                   \
-                     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),                   \
-                     "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),                   \
-                     "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),                   \
-                     "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),                   \
-                     "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),                   \
-                     "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),                   \
-                     "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),                   \
-                     "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),                   \
-                     "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),                 \
-                     "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),             \
-                     "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),             \
-                     "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),             \
-                     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),             \
-                     "+f"(d[126]), "+f"(d[127])                                                                      \
+                   : MLA_KV_WGMMA_D128_OUT(d)                                                                        \
                    : "l"(a), "l"(b), "r"(accumulate));                                                               \
+    }                                                                                                                \
+    static __device__ __forceinline__ void mma(float (&d)[128], const uint32_t (&a)[4], uint64_t b,                  \
+                                               int accumulate) {                                                     \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                     \
+                   "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {" MLA_KV_WGMMA_D128       \
+                   "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                             \
+                   : MLA_KV_WGMMA_D128_OUT(d)                                                                        \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                           \
     }                                                                                                                \
   };
 
-MLA_KV_WGMMA_M64N32_K_MAJOR(__nv_bfloat16, "bf16")
-MLA_KV_WGMMA_M64N32_K_MAJOR(__half, "f16")
-MLA_KV_WGMMA_M64N256_MN_MAJOR(__nv_bfloat16, "bf16")
-MLA_KV_WGMMA_M64N256_MN_MAJOR(__half, "f16")
-#undef MLA_KV_WGMMA_M64N32_K_MAJOR
-#undef MLA_KV_WGMMA_M64N256_MN_MAJOR
+MLA_KV_WGMMA_SHAPES(__nv_bfloat16, "bf16")
+MLA_KV_WGMMA_SHAPES(__half, "f16")
+#undef MLA_KV_WGMMA_SHAPES
+#undef MLA_KV_WGMMA_D32
+#undef MLA_KV_WGMMA_D32_OUT
+#undef MLA_KV_WGMMA_D128
+#undef MLA_KV_WGMMA_D128_OUT
 #else
 template <class T, int N, bool kBMnMajor>
 struct Wgmma {
   static __device__ __forceinline__ void mma(float (&)[N / 2], uint64_t, uint64_t, int) {}
+  static __device__ __forceinline__ void mma(float (&)[N / 2], const uint32_t (&)[4], uint64_t, int) {}
 };
 #endif
 

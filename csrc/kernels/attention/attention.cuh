@@ -113,14 +113,20 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
   return true;
 }
 
-// 16-byte vector c of the CTA's query row r (zeros past the sequence's last row, rows_here).
+// The CTA's query row r (nullptr past the sequence's last row, rows_here).
+template <class T>
+__device__ __forceinline__ const T* q_row(const AttentionParams& p, const Work& w, int r, int rows_here) {
+  if (r >= rows_here) return nullptr;
+  const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
+  return static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
+         (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
+}
+
+// 16-byte vector c of the CTA's query row r (zeros past the sequence's last row).
 template <class T>
 __device__ __forceinline__ int4 q_vector(const AttentionParams& p, const Work& w, int r, int c, int rows_here) {
-  if (r >= rows_here) return make_int4(0, 0, 0, 0);
-  const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-  const T* src = static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
-                 (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
-  return *reinterpret_cast<const int4*>(src + c * 8);
+  const T* src = q_row<T>(p, w, r, rows_here);
+  return src ? *reinterpret_cast<const int4*>(src + c * 8) : make_int4(0, 0, 0, 0);
 }
 
 template <class A, class T, int kBlockM, class Rows>

@@ -1,14 +1,22 @@
 // Hopper variant of the absorbed MLA attention (attention.cuh has the math and the CTA/work split):
-// the two products run on wgmma from shared memory, so the operands no longer pass through
-// registers and a CTA of 64 query rows holds its whole 64 x 512 output in two warpgroups'
-// registers (128 fp32 each per thread).
+// both products run on wgmma, and a CTA of 64 query rows holds its 64 x 512 fp32 output in two
+// warpgroups' registers, warpgroup g owning columns 256 g .. 256 g + 255 (O_g).
 //
-// Per 64-token tile: warpgroup g computes the scores of tile tokens 32 g .. 32 g + 31 for all 64
-// rows (S_g = Q . K_g^T, 36 k steps of m64n32k16); the two halves exchange their row maxima through
-// shared memory; each writes its half of P; then warpgroup g accumulates output columns
-// 256 g .. 256 g + 255 (O_g += P . V_g, 4 k steps of m64n256k16, V read in place from the tile as an
-// MN-major operand). Q, the two tile stages and P are kept in the 128-byte swizzled layout wgmma
-// reads (arch/wgmma.cuh). Tiles arrive by cp.async, one tile ahead of the math.
+// Tiles of 64 tokens come in pairs, one per warpgroup, in a "seesaw" (after FlashMLA's published
+// schedule) that keeps one warpgroup's softmax under the other's tensor work:
+//   warpgroup 0: S0 = Q.K0^T; softmax (running max m -> m0); P0 to shared memory;
+//                O_0 = O_0 a0 + P0.V0_0; then, with m1 from warpgroup 1, O_0 = O_0 a1 + P1.V1_0
+//   warpgroup 1: S1 = Q.K1^T (while warpgroup 0 scores); with m0: O_1 = O_1 a0 + P0.V0_1,
+//                softmax of S1 (m0 -> m1) under that product; P1 to shared memory;
+//                O_1 = O_1 a1 + P1.V1_1
+// A warpgroup's own P is the A operand straight from registers; the other's is read from shared
+// memory (P0 in its own buffer, P1 over tile 1's rope chunk, which only the scores read).
+//
+// Each warpgroup copies (cp.async) its half of every tile, the part its own products read last:
+// warpgroup 0 the latent chunks 0..3 and the rope chunk, warpgroup 1 the latent chunks 4..7. A
+// half is refilled with the next pair's tile as soon as its last reader is done, and an mbarrier
+// per half and stage says when it has landed. Q, the tiles and P are kept in the 128-byte swizzled
+// layout wgmma reads (arch/wgmma.cuh).
 #pragma once
 
 #include "../arch/wgmma.cuh"
@@ -21,24 +29,31 @@ namespace sm90 {
 constexpr int kRows = 64;                         // query rows per CTA: one wgmma M
 constexpr int kTokens = 64;                       // cache rows per tile
 constexpr int kThreads = 256;                     // two warpgroups
+constexpr int kGroupThreads = 128;
 constexpr int kChunks = kRowDim / 64;             // 64-column chunks of a 576-wide row
+constexpr int kRopeChunk = kLatentDim / 64;       // 8
 constexpr int kChunkBytes = 64 * arch::kSwizzleRowBytes;  // one chunk of 64 rows
 constexpr int kTileBytes = kChunks * kChunkBytes;          // 64 rows x 576 (Q or one tile)
-constexpr int kStages = 2;
-constexpr int kVecsPerTile = kTokens * kVecsPerRow;        // 16-byte vectors of a tile
-constexpr int kVecsPerThread = kVecsPerTile / kThreads;    // 18
-constexpr int kTokensPerWarp = kTokens / (kThreads / 32);  // 8
-constexpr int kScoreCols = kTokens / 2;                    // tile tokens per warpgroup
+constexpr int kRowsPerWarp = kTokens / 4;                  // tile rows a warp of a warpgroup copies
 constexpr int kOutCols = kLatentDim / 2;                   // output columns per warpgroup
-static_assert(kVecsPerTile % kThreads == 0 && (kVecsPerThread * 32) % kVecsPerRow == 0, "tile load");
+constexpr int kProbs0Ready = 1, kProbs1Ready = 2, kScores0Done = 3;  // named barriers
 
 // Shared memory (offsets from a 1024-byte aligned base: swizzle atoms must start on one).
 constexpr size_t kQOffset = 0;
-constexpr size_t kKvOffset = kTileBytes;
-constexpr size_t kProbOffset = kKvOffset + size_t(kStages) * kTileBytes;
-constexpr size_t kStatsOffset = kProbOffset + kRows * arch::kSwizzleRowBytes;
-constexpr size_t kBytes = kStatsOffset + 2 * 2 * kRows * sizeof(float) + arch::kSwizzleAtomBytes;
+constexpr size_t kKvOffset = kTileBytes;                    // two tile stages
+constexpr size_t kProbOffset = kKvOffset + 2 * size_t(kTileBytes);  // P0
+constexpr size_t kStatsOffset = kProbOffset + kChunkBytes;
+constexpr size_t kBarrierOffset = kStatsOffset + 4 * kRows * sizeof(float);
+constexpr size_t kBytes = kBarrierOffset + 4 * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
 static_assert(kBytes <= 227 * 1024, "Hopper's shared memory per CTA");
+
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  arch::Vec<T, 2> v;
+  v.v[0] = arch::from_float<T>(lo);
+  v.v[1] = arch::from_float<T>(hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 template <class T, class Rows>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const AttentionParams p, const Rows rows) {
@@ -48,48 +63,71 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
         (reinterpret_cast<uintptr_t>(smem_raw) + arch::kSwizzleAtomBytes - 1) & ~uintptr_t(arch::kSwizzleAtomBytes - 1));
     unsigned char* q_s = smem + kQOffset;
     unsigned char* kv_s = smem + kKvOffset;
-    unsigned char* prob_s = smem + kProbOffset;
-    float* max_s = reinterpret_cast<float*>(smem + kStatsOffset);  // [2][kRows]: tile max per half
-    float* sum_s = max_s + 2 * kRows;                               // [2][kRows]: row sums per half
+    unsigned char* p0_s = smem + kProbOffset;
+    unsigned char* p1_s = kv_s + kTileBytes + kRopeChunk * kChunkBytes;
+    float* max_s = reinterpret_cast<float*>(smem + kStatsOffset);  // [tile of the pair][kRows]: m0, m1
+    float* sum_s = max_s + 2 * kRows;                               // [warpgroup][kRows]: row sums
+    uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]
 
     Work w;
     if (!find_work<kRows>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Warpgroup index, broadcast from lane 0 so that the compiler knows it is warp-uniform: the wgmma
-    // descriptors derived from it then stay in uniform registers (otherwise each of the 36 score
-    // wgmma waits for its descriptor to be rebuilt in vector registers and moved over).
+    // descriptors derived from it then stay in uniform registers.
     const int group = __shfl_sync(0xffffffffu, warp / 4, 0);
     const int rows_here = min(kRows, w.q_len * p.num_heads - w.row0);
+    const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
+    if (tid < 4) arch::mbarrier_init(&landed[tid], kGroupThreads);
 
-    // Q rows -> swizzled smem (zero rows past the sequence's last row).
+    // Q rows -> swizzled smem by cp.async, zeros past the sequence's last row (one group, waited
+    // below; the tile copies after it are tracked by the mbarriers alone).
     for (int v = tid; v < kRows * kVecsPerRow; v += kThreads) {
       const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-      *reinterpret_cast<int4*>(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8)) =
-          q_vector<T>(p, w, r, c, rows_here);
+      const T* src = q_row<T>(p, w, r, rows_here);
+      arch::cp_async_16(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8),
+                        src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
     }
+    arch::cp_async_commit();
+    __syncthreads();  // the mbarriers are initialized
 
-    // Tile loads: lane t < 8 of warp w finds the address of tile row 8 w + t one tile ahead; the
-    // warp's 8 rows x 72 vectors are then spread over its lanes (18 each), the row address taken by
-    // shuffle, each vector placed at its canonical column in the swizzled tile.
-    const char* next_row = nullptr;
-    auto lookup = [&](int j0) {
-      const int pos = j0 + warp * kTokensPerWarp + lane;
-      const char* base = (lane < kTokensPerWarp && pos < w.kv_hi) ? rows.block_base(w.b, pos) : nullptr;
-      next_row = base ? rows.row_in_block(base, pos) : nullptr;
+    // Tile copies. Lane t < 16 of the warpgroup's warp q finds the address of tile row 16 q + t;
+    // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
+    // warpgroup's half (and, warpgroup 0, the rope chunk: 4 rows per pass).
+    const int warp_rows = (warp % 4) * kRowsPerWarp;
+    auto row_address = [&](int first) -> const char* {
+      const int pos = first + warp_rows + lane;
+      const char* base = (lane < kRowsPerWarp && pos < w.kv_hi) ? rows.block_base(w.b, pos) : nullptr;
+      return base ? rows.row_in_block(base, pos) : nullptr;
     };
-    auto issue = [&](int stage) {
-      unsigned char* dst0 = kv_s + stage * kTileBytes;
+    auto copy_half = [&](int stage, const char* row_addr) {
+      unsigned char* dst = kv_s + stage * kTileBytes;
+      const int chunk = group * 4 + lane / 8, unit = lane % 8;
+      const int src_col = stored_column(rows.cache.row, chunk * 64) + unit * 8;
 #pragma unroll
-      for (int k = 0; k < kVecsPerThread; ++k) {
-        const int idx = k * 32 + lane, t = idx / kVecsPerRow, v = idx - t * kVecsPerRow;
-        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(next_row), t);
+      for (int t = 0; t < kRowsPerWarp; ++t) {
+        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
         const T* src = reinterpret_cast<const T*>(bits);
-        const int col = canonical_column(rows.cache.row, v * 8), token = warp * kTokensPerWarp + t;
-        arch::cp_async_16(dst0 + (col / 64) * kChunkBytes + arch::swizzled_offset(token, (col / 8) % 8),
-                          src ? src + v * 8 : static_cast<const T*>(p.q), src != nullptr);
+        arch::cp_async_16(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
+                          src ? src + src_col : static_cast<const T*>(p.q), src != nullptr);
       }
+      if (group == 0) {
+        const int rope_col = stored_column(rows.cache.row, kLatentDim) + unit * 8;
+#pragma unroll
+        for (int k = 0; k < kRowsPerWarp / 4; ++k) {
+          const int t = 4 * k + lane / 8;
+          const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
+          const T* src = reinterpret_cast<const T*>(bits);
+          arch::cp_async_16(dst + kRopeChunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
+                            src ? src + rope_col : static_cast<const T*>(p.q), src != nullptr);
+        }
+      }
+      arch::cp_async_arrive(&landed[2 * stage + group]);
     };
-
+    if (tiles > 0) copy_half(0, row_address(w.kv_lo));
+    if (tiles > 1) copy_half(1, row_address(w.kv_lo + kTokens));
+    arch::cp_async_wait<0>();
+    arch::fence_proxy_async();
+    __syncthreads();  // Q visible to the tensor cores
     // This thread's two rows (of the accumulator layout) and their visible kv limits.
     const int row_of[2] = {16 * (warp % 4) + lane / 4, 16 * (warp % 4) + lane / 4 + 8};
     int row_limit[2];
@@ -104,89 +142,106 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     }
     const float scale_log2 = p.softmax_scale * kLog2e;
 
-    using Qk = arch::Wgmma<T, kScoreCols, false>;
+    using Qk = arch::Wgmma<T, kTokens, false>;
     using Pv = arch::Wgmma<T, kOutCols, true>;
     float acc[kOutCols / 2];
 #pragma unroll
     for (int i = 0; i < kOutCols / 2; ++i) acc[i] = 0.f;
+    float sc[kTokens / 2];
+    uint32_t probs[kTokens / 4];  // this warpgroup's P as wgmma A fragments: [k step][4]
     const uint64_t q_desc = arch::swizzled_desc(q_s, 16, arch::kSwizzleAtomBytes);
-    const uint64_t prob_desc = arch::swizzled_desc(prob_s, 16, arch::kSwizzleAtomBytes);
 
-    lookup(w.kv_lo);
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      issue(t);
-      arch::cp_async_commit();
-      lookup(w.kv_lo + (t + 1) * kTokens);
-    }
-    int stage = 0;
-    for (int j0 = w.kv_lo; j0 < w.kv_hi; j0 += kTokens) {
-      arch::cp_async_wait<kStages - 1>();
+    // sc = Q . K^T of the tile in `stage`, the half warpgroup 0 copies first.
+    auto scores = [&](int stage, uint32_t parity) {
+      const uint64_t k_desc = arch::swizzled_desc(kv_s + stage * kTileBytes, 16, arch::kSwizzleAtomBytes);
+      arch::mbarrier_wait(&landed[2 * stage], parity);
       arch::fence_proxy_async();
-      __syncthreads();  // this tile (and, first time, Q) visible to the tensor cores
-
-      const unsigned char* tile = kv_s + stage * kTileBytes;
-      float sc[kScoreCols / 2];
-      {  // S_g = Q . K_g^T over the 576-wide rows
-        const uint64_t k_desc = arch::swizzled_desc(tile + group * kScoreCols * arch::kSwizzleRowBytes, 16,
-                                                    arch::kSwizzleAtomBytes);
-        arch::wgmma_fence();
+      arch::wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kRowDim / 16; ++k) {
-          const uint32_t off = (k / 4) * kChunkBytes + (k % 4) * 32;
-          Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), k > 0);
+      for (int i = 0; i < 5; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t off = (i < 4 ? i : kRopeChunk) * kChunkBytes + k * 32;
+          Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), i + k > 0);
         }
-        arch::wgmma_commit();
-        arch::wgmma_wait<0>();
-        arch::pin_registers(sc);
-      }
-
-      // Online softmax (log2 domain), as in attention.cuh: the running max moves only when a tile
-      // beats it by more than kRescaleLog2. Row maxima of the two token halves meet in max_s.
+      arch::mbarrier_wait(&landed[2 * stage + 1], parity);
+      arch::fence_proxy_async();
+#pragma unroll
+      for (int i = 4; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t off = i * kChunkBytes + k * 32;
+          Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), 1);
+        }
+      arch::wgmma_commit();
+      arch::wgmma_wait<0>();
+      arch::pin_registers(sc);
+    };
+    // Online softmax of the tile starting at kv position j (log2 domain, as in attention.cuh: the
+    // running max moves only when a tile beats it by more than kRescaleLog2): probs = P, row sums
+    // updated, alpha = the factor O must be rescaled by.
+    auto softmax = [&](int j, float (&alpha)[2]) {
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < kScoreCols / 8; ++j)
+      for (int jj = 0; jj < kTokens / 8; ++jj)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int pos = j0 + group * kScoreCols + 8 * j + 2 * (lane % 4) + e;
-            float& x = sc[4 * j + 2 * hh + e];
-            x = pos < row_limit[hh] ? x * scale_log2 : -INFINITY;
+            float& x = sc[4 * jj + 2 * hh + e];
+            x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] ? x * scale_log2 : -INFINITY;
             tile_max[hh] = fmaxf(tile_max[hh], x);
           }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         tile_max[hh] = fmaxf(tile_max[hh], __shfl_xor_sync(0xffffffffu, tile_max[hh], 1));
         tile_max[hh] = fmaxf(tile_max[hh], __shfl_xor_sync(0xffffffffu, tile_max[hh], 2));
-        if (lane % 4 == 0) max_s[group * kRows + row_of[hh]] = tile_max[hh];
-      }
-      __syncthreads();
-      float alpha[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float m = fmaxf(tile_max[hh], max_s[(group ^ 1) * kRows + row_of[hh]]);
-        const float new_max = m > row_max[hh] + kRescaleLog2 ? m : row_max[hh];
+        const float new_max = tile_max[hh] > row_max[hh] + kRescaleLog2 ? tile_max[hh] : row_max[hh];
         alpha[hh] = new_max == row_max[hh] ? 1.f : exp2f(row_max[hh] - new_max);
         row_max[hh] = new_max;
         row_sum[hh] *= alpha[hh];
       }
 #pragma unroll
-      for (int j = 0; j < kScoreCols / 8; ++j)
+      for (int jj = 0; jj < kTokens / 8; ++jj)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           float pr[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            pr[e] = row_max[hh] == -INFINITY ? 0.f : exp2f(sc[4 * j + 2 * hh + e] - row_max[hh]);
+            pr[e] = row_max[hh] == -INFINITY ? 0.f : exp2f(sc[4 * jj + 2 * hh + e] - row_max[hh]);
             row_sum[hh] += pr[e];
           }
-          arch::Vec<T, 2> pv;
-          pv.v[0] = arch::from_float<T>(pr[0]);
-          pv.v[1] = arch::from_float<T>(pr[1]);
-          const int col = group * kScoreCols + 8 * j + 2 * (lane % 4);  // token within the tile
-          arch::store<T, 2>(reinterpret_cast<T*>(prob_s + arch::swizzled_offset(row_of[hh], col / 8)) + col % 8, pv);
+          probs[4 * (jj / 2) + 2 * (jj % 2) + hh] = pack_pair<T>(pr[0], pr[1]);
         }
+    };
+    // P into a swizzled 64 x 64 K-major operand (the layout of a tile chunk). The thread's two rows
+    // are 8 apart, so they share their swizzle phase.
+    auto store_probs = [&](unsigned char* dst) {
+      unsigned char* row0 = dst + row_of[0] * arch::kSwizzleRowBytes + 4 * (lane % 4);
+#pragma unroll
+      for (int jj = 0; jj < kTokens / 8; ++jj) {
+        unsigned char* at = row0 + ((jj ^ (row_of[0] & 7)) << 4);
+        *reinterpret_cast<uint32_t*>(at) = probs[4 * (jj / 2) + 2 * (jj % 2)];
+        *reinterpret_cast<uint32_t*>(at + 8 * arch::kSwizzleRowBytes) = probs[4 * (jj / 2) + 2 * (jj % 2) + 1];
+      }
+    };
+    // Adopts the running max another warpgroup moved to (max_s row set `tile`): alpha as above.
+    auto adopt_max = [&](int tile, float (&alpha)[2]) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float m = max_s[tile * kRows + row_of[hh]];
+        alpha[hh] = m == row_max[hh] ? 1.f : exp2f(row_max[hh] - m);
+        row_max[hh] = m;
+        row_sum[hh] *= alpha[hh];
+      }
+    };
+    auto publish_max = [&](int tile) {
+      if (lane % 4 == 0) {
+        max_s[tile * kRows + row_of[0]] = row_max[0];
+        max_s[tile * kRows + row_of[1]] = row_max[1];
+      }
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
         if (alpha[hh] != 1.f) {
@@ -196,30 +251,94 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
             acc[4 * j + 2 * hh + 1] *= alpha[hh];
           }
         }
-      arch::fence_proxy_async();
-      __syncthreads();  // both halves of P written
-
-      {  // O_g += P . V_g, V_g = tile columns 256 g .. 256 g + 255 read as an MN-major operand
-        const uint64_t v_desc = arch::swizzled_desc(tile + group * (kOutCols / 64) * kChunkBytes, kChunkBytes,
-                                                    arch::kSwizzleAtomBytes);
-        arch::wgmma_fence();
+    };
+    // O_g += P . V_g, V_g = this warpgroup's 256 columns of the tile in `stage`, read in place as an
+    // MN-major operand; P from registers (probs) or from shared memory.
+    auto v_desc = [&](int stage, int k) {
+      return arch::desc_advance(arch::swizzled_desc(kv_s + stage * kTileBytes + group * 4 * kChunkBytes, kChunkBytes,
+                                                    arch::kSwizzleAtomBytes),
+                                k * 16 * arch::kSwizzleRowBytes);
+    };
+    auto accumulate_own = [&](int stage) {
+      arch::wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kTokens / 16; ++k)
-          Pv::mma(acc, arch::desc_advance(prob_desc, k * 32),
-                  arch::desc_advance(v_desc, k * 16 * arch::kSwizzleRowBytes), 1);
-        arch::wgmma_commit();
-        arch::wgmma_wait<0>();
-        arch::pin_registers(acc);
-      }
-      __syncthreads();  // the stage and P are free
-      issue(stage);     // the tile kStages ahead
-      arch::cp_async_commit();
-      lookup(j0 + (kStages + 1) * kTokens);
-      stage ^= 1;
-    }
-    arch::cp_async_wait<0>();
+      for (int k = 0; k < kTokens / 16; ++k)
+        Pv::mma(acc, reinterpret_cast<const uint32_t(&)[4]>(probs[4 * k]), v_desc(stage, k), 1);
+      arch::wgmma_commit();
+    };
+    auto accumulate_shared = [&](int stage, const unsigned char* prob_smem) {
+      const uint64_t p_desc = arch::swizzled_desc(prob_smem, 16, arch::kSwizzleAtomBytes);
+      arch::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kTokens / 16; ++k) Pv::mma(acc, arch::desc_advance(p_desc, k * 32), v_desc(stage, k), 1);
+      arch::wgmma_commit();
+    };
+    auto finish_accumulate = [&]() {
+      arch::wgmma_wait<0>();
+      arch::pin_registers(acc);
+    };
 
-    // Epilogue: row sums of the two halves meet in sum_s; normalize; write out/lse or the partial.
+    for (int pair = 0; 2 * pair < tiles; ++pair) {
+      const int j = w.kv_lo + 2 * pair * kTokens;  // the pair's first kv position
+      const bool has_tile1 = 2 * pair + 1 < tiles;
+      const uint32_t parity = pair & 1;
+      // The next pair's row addresses are looked up a while before their copies are issued.
+      const char* next = 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : nullptr;
+      float alpha[2];
+      if (group == 0) {
+        scores(0, parity);
+        arch::named_barrier_arrive(kScores0Done, kThreads);
+        softmax(j, alpha);
+        publish_max(0);
+        store_probs(p0_s);
+        arch::fence_proxy_async();
+        arch::named_barrier_arrive(kProbs0Ready, kThreads);
+        rescale(alpha);
+        accumulate_own(0);
+        finish_accumulate();
+        if (2 * pair + 2 < tiles) copy_half(0, next);  // the next tile 0's half, as this one is read
+        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        arch::named_barrier_sync(kProbs1Ready, kThreads);
+        adopt_max(1, alpha);
+        rescale(alpha);
+        if (has_tile1) {
+          arch::mbarrier_wait(&landed[2], parity);  // this warpgroup's own copy of tile 1's half
+          arch::fence_proxy_async();
+          accumulate_shared(1, p1_s);
+          finish_accumulate();
+          if (2 * pair + 3 < tiles) copy_half(1, next);
+        }
+      } else {
+        // Tile 1's scores wait for tile 0's: the tensor cores then finish S0 first, and warpgroup
+        // 0's softmax runs under S1 instead of both warpgroups' softmax after both products.
+        arch::named_barrier_sync(kScores0Done, kThreads);
+        if (has_tile1) scores(1, parity);
+        arch::named_barrier_sync(kProbs0Ready, kThreads);
+        adopt_max(0, alpha);
+        rescale(alpha);
+        arch::mbarrier_wait(&landed[1], parity);
+        arch::fence_proxy_async();
+        accumulate_shared(0, p0_s);
+        if (has_tile1) {  // under the product above
+          softmax(j + kTokens, alpha);
+          store_probs(p1_s);
+        }
+        publish_max(1);
+        finish_accumulate();
+        if (2 * pair + 2 < tiles) copy_half(0, next);
+        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        arch::fence_proxy_async();
+        arch::named_barrier_arrive(kProbs1Ready, kThreads);
+        if (has_tile1) {
+          rescale(alpha);
+          accumulate_own(1);
+          finish_accumulate();
+          if (2 * pair + 3 < tiles) copy_half(1, next);
+        }
+      }
+    }
+
+    // Epilogue: row sums of the two warpgroups meet in sum_s; normalize; write out/lse or the partial.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
@@ -229,6 +348,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     __syncthreads();
     const bool split = p.num_splits > 1;
     const int64_t total_rows = p.total_q_tokens * p.num_heads;
+    // Read again rather than kept: the main loop needs every register (it would be spilled).
+    const int64_t token_base = p.cu_q_lens == nullptr ? int64_t(w.b) * p.q_len : p.cu_q_lens[w.b];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = row_of[hh];
@@ -236,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       const float l = sum_s[r] + sum_s[kRows + r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-      const int64_t flat = (w.token_base + s) * p.num_heads + h;
+      const int64_t flat = (token_base + s) * p.num_heads + h;
       const int col0 = group * kOutCols + 2 * (lane % 4);
       if (split) {
         float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + col0;
@@ -245,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
           *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[4 * j + 2 * hh] * inv, acc[4 * j + 2 * hh + 1] * inv);
       } else {
         T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b * (p.cu_q_lens == nullptr) +
-                 (w.token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h + col0;
+                 (token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h + col0;
 #pragma unroll
         for (int j = 0; j < kOutCols / 8; ++j) {
           arch::Vec<T, 2> v;
@@ -261,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
           ws_lse[blockIdx.y * total_rows + flat] = lse;
         } else {
           p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
-                (w.token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
+                (token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
         }
       }
     }
