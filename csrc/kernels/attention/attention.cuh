@@ -482,18 +482,28 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   float2 o[kCombineGroups];
 #pragma unroll
   for (int g = 0; g < kCombineGroups; ++g) o[g] = make_float2(0.f, 0.f);
-#pragma unroll 2
-  for (int i = warp; i < p.num_splits; i += kCombineWarps) {
-    const float wgt = weight_s[i];
-    if (wgt == 0.f) continue;  // an empty split's partial is never read
-    const float* src = parts + (i * total_rows + flat) * kLatentDim + col0;
+  // Warp w sums splits w, w + kCombineWarps, ..., kSplitsInFlight at a time with all their loads
+  // issued first: one split at a time, each warp would wait out an L2 latency per split.
+  constexpr int kSplitsInFlight = 4;
+  for (int i0 = warp; i0 < p.num_splits; i0 += kSplitsInFlight * kCombineWarps) {
+    float wgt[kSplitsInFlight];
+    float2 x[kSplitsInFlight][kCombineGroups];
 #pragma unroll
-    for (int g = 0; g < kCombineGroups; ++g) {
-      if (g >= groups) break;
-      const float2 x = *reinterpret_cast<const float2*>(src + g * 64);
-      o[g].x += wgt * x.x;
-      o[g].y += wgt * x.y;
+    for (int u = 0; u < kSplitsInFlight; ++u) {
+      const int i = i0 + u * kCombineWarps;
+      wgt[u] = i < p.num_splits ? weight_s[i] : 0.f;
+      const float* src = parts + (i * total_rows + flat) * kLatentDim + col0;
+#pragma unroll
+      for (int g = 0; g < kCombineGroups; ++g)  // an empty split's partial is never read
+        x[u][g] = g < groups && wgt[u] != 0.f ? *reinterpret_cast<const float2*>(src + g * 64) : make_float2(0.f, 0.f);
     }
+#pragma unroll
+    for (int u = 0; u < kSplitsInFlight; ++u)
+#pragma unroll
+      for (int g = 0; g < kCombineGroups; ++g) {
+        o[g].x += wgt[u] * x[u][g].x;
+        o[g].y += wgt[u] * x[u][g].y;
+      }
   }
 #pragma unroll
   for (int g = 0; g < kCombineGroups; ++g)

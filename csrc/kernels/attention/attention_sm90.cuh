@@ -324,11 +324,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
           store_probs(p1_s);
         }
         publish_max(1);
-        finish_accumulate();
-        if (2 * pair + 2 < tiles) copy_half(0, next);
-        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        finish_accumulate();  // P0 is no longer read: warpgroup 0 may overwrite it
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs1Ready, kThreads);
+        if (2 * pair + 2 < tiles) copy_half(0, next);
+        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         if (has_tile1) {
           rescale(alpha);
           accumulate_own(1);
