@@ -17,7 +17,8 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 // Hopper runs CTAs of more than 16 query rows on the wgmma kernel (64 rows, padded). 16 rows or
 // fewer stay on the Sm80 kernel: two 16-row CTAs share an SM there, and 64-row padding would
-// quadruple the tensor work (H200, B=64 ctx 4K: 71% of copy bandwidth there, 58% on wgmma).
+// quadruple the tensor work (H200, B=64 ctx 4K: H=16 73% of copy bandwidth on Sm80; H=20 on
+// wgmma, the padded work H=16 would have, 71%).
 bool uses_wgmma(int64_t rows, Arch arch) { return arch == Arch::kSm90 && rows > 16; }
 
 // The mma.sync kernel variant a tag runs (Hopper's is Ampere's).
