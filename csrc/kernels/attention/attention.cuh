@@ -29,7 +29,7 @@ constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
 constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kRescaleLog2 = 8.f;  // see the online softmax
+constexpr float kRescaleLog2 = 8.f;  // see raised_max
 
 // Tiling of a CTA of kBlockM query rows on tag A.
 //  - kN cache rows per tile: every tile costs four block barriers and a softmax pass whatever its
@@ -111,6 +111,27 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
   w.kv_lo = blockIdx.y * p.tokens_per_split;
   w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);
   return true;
+}
+
+// The kv positions query row r of the CTA sees: [kv_lo, limit) (causal: up to its own token), -1 for
+// rows past the sequence's last row.
+__device__ __forceinline__ int kv_limit(const AttentionParams& p, const Work& w, int r, int rows_here) {
+  int limit = -1;
+  if (r < rows_here) {
+    const int s = (w.row0 + r) / p.num_heads;
+    limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);
+  }
+  return limit;
+}
+
+// Online softmax in the log2 domain: the running max moves only when a tile beats it by more than
+// kRescaleLog2, so P stays below 2^kRescaleLog2 (exact in fp32 sums and in 16-bit P) and most tiles
+// skip rescaling O. rescale_factor: what O and the row sum are multiplied by when it moves.
+__device__ __forceinline__ float raised_max(float running, float tile_max) {
+  return tile_max > running + kRescaleLog2 ? tile_max : running;
+}
+__device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
+  return new_max == old_max ? 1.f : exp2f(old_max - new_max);
 }
 
 // The CTA's query row r (nullptr past the sequence's last row, rows_here).
@@ -217,11 +238,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
     constexpr int kRowCols = kBlockN / kRowThreads;
     constexpr int kScoreVec = kRowCols < 4 ? kRowCols : 4;  // floats per shared-memory read
     const int my_row = tid / kRowThreads, my_col0 = (tid % kRowThreads) * kRowCols;
-    int row_limit = -1;  // kv positions < row_limit are visible to my_row
-    if (my_row < rows_here) {
-      const int s = (w.row0 + my_row) / p.num_heads;
-      row_limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);
-    }
+    const int row_limit = kv_limit(p, w, my_row, rows_here);  // kv positions < row_limit are visible
     float row_max = -INFINITY, row_sum = 0.f;
     const float scale_log2 = p.softmax_scale * kLog2e;
 
@@ -325,10 +342,8 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1)
           tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
-        // The running max moves only when a tile beats it by more than kRescaleLog2: P stays below
-        // 2^kRescaleLog2 (exact in fp32 sums and in 16-bit P), and most tiles skip rescaling O.
-        const float new_max = tile_max > row_max + kRescaleLog2 ? tile_max : row_max;
-        const float alpha = new_max == row_max ? 1.f : exp2f(row_max - new_max);
+        const float new_max = raised_max(row_max, tile_max);
+        const float alpha = rescale_factor(row_max, new_max);
         float tile_sum = 0.f;
         arch::Vec<T, kRowCols> pv;
 #pragma unroll

@@ -101,25 +101,23 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     };
     auto copy_half = [&](int stage, const char* row_addr) {
       unsigned char* dst = kv_s + stage * kTileBytes;
-      const int chunk = group * 4 + lane / 8, unit = lane % 8;
-      const int src_col = stored_column(rows.cache.row, chunk * 64) + unit * 8;
-#pragma unroll
-      for (int t = 0; t < kRowsPerWarp; ++t) {
+      const int unit = lane % 8;
+      // 16-byte unit `unit` of canonical chunk `chunk` (stored at element src_col of a row) of the
+      // warp's row t; zeros for a null row.
+      auto copy_unit = [&](int t, int chunk, int src_col) {
         const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
         const T* src = reinterpret_cast<const T*>(bits);
         arch::cp_async_16(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
                           src ? src + src_col : static_cast<const T*>(p.q), src != nullptr);
-      }
+      };
+      const int chunk = group * 4 + lane / 8;
+      const int src_col = stored_column(rows.cache.row, chunk * 64) + unit * 8;
+#pragma unroll
+      for (int t = 0; t < kRowsPerWarp; ++t) copy_unit(t, chunk, src_col);
       if (group == 0) {
         const int rope_col = stored_column(rows.cache.row, kLatentDim) + unit * 8;
 #pragma unroll
-        for (int k = 0; k < kRowsPerWarp / 4; ++k) {
-          const int t = 4 * k + lane / 8;
-          const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
-          const T* src = reinterpret_cast<const T*>(bits);
-          arch::cp_async_16(dst + kRopeChunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
-                            src ? src + rope_col : static_cast<const T*>(p.q), src != nullptr);
-        }
+        for (int k = 0; k < kRowsPerWarp / 4; ++k) copy_unit(4 * k + lane / 8, kRopeChunk, rope_col);
       }
       arch::cp_async_arrive(&landed[2 * stage + group]);
     };
@@ -133,13 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     int row_limit[2];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      row_limit[hh] = -1;
-      if (row_of[hh] < rows_here) {
-        const int s = (w.row0 + row_of[hh]) / p.num_heads;
-        row_limit[hh] = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);
-      }
-    }
+    for (int hh = 0; hh < 2; ++hh) row_limit[hh] = kv_limit(p, w, row_of[hh], rows_here);
     const float scale_log2 = p.softmax_scale * kLog2e;
 
     using Qk = arch::Wgmma<T, kTokens, false>;
@@ -177,9 +169,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       arch::wgmma_wait<0>();
       arch::pin_registers(sc);
     };
-    // Online softmax of the tile starting at kv position j (log2 domain, as in attention.cuh: the
-    // running max moves only when a tile beats it by more than kRescaleLog2): probs = P, row sums
-    // updated, alpha = the factor O must be rescaled by.
+    // Moves row hh's running max to m; returns the factor O must be rescaled by (the sum already is).
+    auto move_max = [&](int hh, float m) {
+      const float alpha = rescale_factor(row_max[hh], m);
+      row_max[hh] = m;
+      row_sum[hh] *= alpha;
+      return alpha;
+    };
+    // Online softmax of the tile starting at kv position j (attention.cuh's raised_max): probs = P,
+    // row sums updated, alpha = the factor O must be rescaled by.
     auto softmax = [&](int j, float (&alpha)[2]) {
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -196,10 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       for (int hh = 0; hh < 2; ++hh) {
         tile_max[hh] = fmaxf(tile_max[hh], __shfl_xor_sync(0xffffffffu, tile_max[hh], 1));
         tile_max[hh] = fmaxf(tile_max[hh], __shfl_xor_sync(0xffffffffu, tile_max[hh], 2));
-        const float new_max = tile_max[hh] > row_max[hh] + kRescaleLog2 ? tile_max[hh] : row_max[hh];
-        alpha[hh] = new_max == row_max[hh] ? 1.f : exp2f(row_max[hh] - new_max);
-        row_max[hh] = new_max;
-        row_sum[hh] *= alpha[hh];
+        alpha[hh] = move_max(hh, raised_max(row_max[hh], tile_max[hh]));
       }
 #pragma unroll
       for (int jj = 0; jj < kTokens / 8; ++jj)
@@ -228,12 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     // Adopts the running max another warpgroup moved to (max_s row set `tile`): alpha as above.
     auto adopt_max = [&](int tile, float (&alpha)[2]) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float m = max_s[tile * kRows + row_of[hh]];
-        alpha[hh] = m == row_max[hh] ? 1.f : exp2f(row_max[hh] - m);
-        row_max[hh] = m;
-        row_sum[hh] *= alpha[hh];
-      }
+      for (int hh = 0; hh < 2; ++hh) alpha[hh] = move_max(hh, max_s[tile * kRows + row_of[hh]]);
     };
     auto publish_max = [&](int tile) {
       if (lane % 4 == 0) {
