@@ -87,6 +87,29 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
                    static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
 #endif
 }
+// One arrival on `bar` that also expects `bytes` more of asynchronous (TMA) copies in this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+#endif
+}
+// A box of a 3-D tensor map (coordinates innermost first) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, int c0, int c1, int c2, uint64_t* bar) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2),
+      "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+      : "memory");
+#endif
+}
 // Waits for the completion of `bar`'s phase of parity `parity`.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #if MLA_KV_HAS_WGMMA
@@ -98,6 +121,19 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 #endif
 }
+// Moves registers between warpgroups (every thread of a warpgroup executes it with the same count).
+template <int kRegisters>
+__device__ __forceinline__ void grow_registers() {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+#endif
+}
+template <int kRegisters>
+__device__ __forceinline__ void shrink_registers() {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+#endif
+}
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 #if MLA_KV_HAS_WGMMA
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -107,6 +143,15 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 #if MLA_KV_HAS_WGMMA
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 #endif
+}
+
+// 2^x on the special-function unit, results below 2^-126 flushed to zero (softmax weights that
+// small change no sum); exp2f's denormal handling costs predicates and registers the wgmma
+// kernel does not have.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // D[64 x N] (fp32, registers) = A[64 x 16] . B[16 x N] (+ D when `accumulate`). A K-major, from

@@ -19,6 +19,11 @@
 // layout wgmma reads (arch/wgmma.cuh).
 #pragma once
 
+#include <cstdlib>
+#include <type_traits>
+
+#include <cuda.h>
+
 #include "../arch/wgmma.cuh"
 #include "attention.cuh"
 
@@ -37,6 +42,14 @@ constexpr int kTileBytes = kChunks * kChunkBytes;          // 64 rows x 576 (Q o
 constexpr int kRowsPerWarp = kTokens / 4;                  // tile rows a warp of a warpgroup copies
 constexpr int kOutCols = kLatentDim / 2;                   // output columns per warpgroup
 constexpr int kProbs0Ready = 1, kProbs1Ready = 2, kScores0Done = 3;  // named barriers
+constexpr int kMathSync = 4, kTailZeroed = 5;  // (kTailZeroed + warpgroup: one per warpgroup)
+
+// TMA variant (paged caches whose tiles are whole boxes of a tensor map): a third warpgroup, of
+// which one thread issues every tile copy, hands most of its registers to the math warpgroups.
+constexpr int kTmaThreads = kThreads + 128;
+constexpr int kMathRegisters = 240, kCopyRegisters = 24;
+static_assert((2 * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kTmaThreads) / 8 * 8 * kTmaThreads,
+              "the CTA's register pool");
 
 // Shared memory (offsets from a 1024-byte aligned base: swizzle atoms must start on one).
 constexpr size_t kQOffset = 0;
@@ -44,7 +57,7 @@ constexpr size_t kKvOffset = kTileBytes;                    // two tile stages
 constexpr size_t kProbOffset = kKvOffset + 2 * size_t(kTileBytes);  // P0
 constexpr size_t kStatsOffset = kProbOffset + kChunkBytes;
 constexpr size_t kBarrierOffset = kStatsOffset + 4 * kRows * sizeof(float);
-constexpr size_t kBytes = kBarrierOffset + 4 * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
+constexpr size_t kBytes = kBarrierOffset + 8 * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
 static_assert(kBytes <= 227 * 1024, "Hopper's shared memory per CTA");
 
 template <class T>
@@ -55,8 +68,52 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <class T, class Rows>
-__global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const AttentionParams p, const Rows rows) {
+__device__ __forceinline__ int tiles_of(const Work& w) {
+  return w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
+}
+
+// The TMA variant's copy thread: every tile of the CTA's kv range, half by half (the halves the
+// math warpgroups free separately), into its stage once that half's readers have freed it. A box
+// covers min(64, block_size) rows of one block; boxes past the sequence or outside the table read
+// block `num_blocks`, past the map's end, which TMA fills with zeros.
+__device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const Work& w, const CUtensorMap& map,
+                                               unsigned char* kv_s, uint64_t* landed, uint64_t* freed) {
+  const int block_size = rows.cache.block_size, box_rows = min(kTokens, block_size);
+  const int past_end = int(rows.cache.num_blocks);
+  const int tiles = tiles_of(w);
+  for (int t = 0; t < tiles; ++t) {
+    const int stage = t & 1, use = t >> 1, first = w.kv_lo + t * kTokens;
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      if (use > 0) arch::mbarrier_wait(&freed[2 * stage + half], (use - 1) & 1);
+      uint64_t* bar = &landed[2 * stage + half];
+      const int chunks = half == 0 ? 5 : 4;
+      arch::mbarrier_arrive_expect(bar, chunks * kChunkBytes);
+      for (int r = 0; r < kTokens; r += box_rows) {
+        const int pos = first + r;
+        int block = past_end;
+        if (pos < w.kv_hi) {
+          const int i = block_index(pos, block_size);
+          const int id = i < rows.max_blocks ? rows.block_table[w.b * rows.block_table_stride + i] : -1;
+          if (id >= 0 && id < rows.cache.num_blocks) block = id;
+        }
+        const int row = block_offset(pos, block_size);
+        for (int c = 0; c < chunks; ++c) {
+          const int chunk = half == 1 ? 4 + c : c < 4 ? c : kRopeChunk;
+          arch::tma_load_3d(kv_s + stage * kTileBytes + chunk * kChunkBytes + r * arch::kSwizzleRowBytes, &map,
+                            stored_column(rows.cache.row, chunk * 64), row, block, bar);
+        }
+      }
+    }
+  }
+}
+
+// kTma: tiles arrive by TMA through `tile_map` (a 3-D map [num_blocks][block_size][576] of a
+// paged cache, 128-byte swizzled boxes of 64 columns x min(64, block_size) rows); otherwise by
+// cp.async from the math warpgroups.
+template <class T, class Rows, bool kTma>
+__global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
+    attention_wgmma_kernel(const AttentionParams p, const Rows rows, const __grid_constant__ CUtensorMap tile_map) {
   if constexpr (arch::target_supports<arch::Sm90>()) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -67,7 +124,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     unsigned char* p1_s = kv_s + kTileBytes + kRopeChunk * kChunkBytes;
     float* max_s = reinterpret_cast<float*>(smem + kStatsOffset);  // [tile of the pair][kRows]: m0, m1
     float* sum_s = max_s + 2 * kRows;                               // [warpgroup][kRows]: row sums
-    uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]
+    uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]: copied
+    uint64_t* freed = landed + 4;  // [stage][half]: read (TMA variant)
 
     Work w;
     if (!find_work<kRows>(p, w)) return;
@@ -76,8 +134,20 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     // descriptors derived from it then stay in uniform registers.
     const int group = __shfl_sync(0xffffffffu, warp / 4, 0);
     const int rows_here = min(kRows, w.q_len * p.num_heads - w.row0);
-    const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
-    if (tid < 4) arch::mbarrier_init(&landed[tid], kGroupThreads);
+    const int tiles = tiles_of(w);
+    if (tid < 4) {
+      arch::mbarrier_init(&landed[tid], kTma ? 1 : kGroupThreads);
+      arch::mbarrier_init(&freed[tid], kGroupThreads);
+    }
+    if constexpr (kTma) {
+      __syncthreads();  // the mbarriers are initialized
+      if (warp >= kThreads / 32) {
+        arch::shrink_registers<kCopyRegisters>();
+        if (tid == kThreads) copy_tiles_tma(rows, w, tile_map, kv_s, landed, freed);
+        return;
+      }
+      arch::grow_registers<kMathRegisters>();
+    }
 
     // Q rows -> swizzled smem by cp.async, zeros past the sequence's last row (one group, waited
     // below; the tile copies after it are tracked by the mbarriers alone).
@@ -88,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
                         src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
     }
     arch::cp_async_commit();
-    __syncthreads();  // the mbarriers are initialized
+    if constexpr (!kTma) __syncthreads();  // the mbarriers are initialized
 
     // Tile copies. Lane t < 16 of the warpgroup's warp q finds the address of tile row 16 q + t;
     // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
@@ -121,11 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       }
       arch::cp_async_arrive(&landed[2 * stage + group]);
     };
-    if (tiles > 0) copy_half(0, row_address(w.kv_lo));
-    if (tiles > 1) copy_half(1, row_address(w.kv_lo + kTokens));
+    if constexpr (!kTma) {
+      if (tiles > 0) copy_half(0, row_address(w.kv_lo));
+      if (tiles > 1) copy_half(1, row_address(w.kv_lo + kTokens));
+    }
     arch::cp_async_wait<0>();
     arch::fence_proxy_async();
-    __syncthreads();  // Q visible to the tensor cores
+    arch::named_barrier_sync(kMathSync, kThreads);  // Q visible to the tensor cores
     // This thread's two rows (of the accumulator layout) and their visible kv limits.
     const int row_of[2] = {16 * (warp % 4) + lane / 4, 16 * (warp % 4) + lane / 4 + 8};
     int row_limit[2];
@@ -147,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     auto scores = [&](int stage, uint32_t parity) {
       const uint64_t k_desc = arch::swizzled_desc(kv_s + stage * kTileBytes, 16, arch::kSwizzleAtomBytes);
       arch::mbarrier_wait(&landed[2 * stage], parity);
-      arch::fence_proxy_async();
+      if constexpr (!kTma) arch::fence_proxy_async();  // cp.async writes are generic-proxy ones
       arch::wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 5; ++i)
@@ -157,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
           Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), i + k > 0);
         }
       arch::mbarrier_wait(&landed[2 * stage + 1], parity);
-      arch::fence_proxy_async();
+      if constexpr (!kTma) arch::fence_proxy_async();
 #pragma unroll
       for (int i = 4; i < 8; ++i)
 #pragma unroll
@@ -171,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
     };
     // Moves row hh's running max to m; returns the factor O must be rescaled by (the sum already is).
     auto move_max = [&](int hh, float m) {
-      const float alpha = rescale_factor(row_max[hh], m);
+      const float alpha = m == row_max[hh] ? 1.f : arch::exp2_ftz(row_max[hh] - m);
       row_max[hh] = m;
       row_sum[hh] *= alpha;
       return alpha;
@@ -203,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
           float pr[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            pr[e] = row_max[hh] == -INFINITY ? 0.f : exp2f(sc[4 * jj + 2 * hh + e] - row_max[hh]);
+            pr[e] = row_max[hh] == -INFINITY ? 0.f : arch::exp2_ftz(sc[4 * jj + 2 * hh + e] - row_max[hh]);
             row_sum[hh] += pr[e];
           }
           probs[4 * (jj / 2) + 2 * (jj % 2) + hh] = pack_pair<T>(pr[0], pr[1]);
@@ -268,12 +340,39 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       arch::pin_registers(acc);
     };
 
+    // TMA reads whole boxes, so the rows of a sequence's last tile past kv_hi hold whatever the
+    // block holds there. Their scores are masked, but 0 x NaN is not 0: each warpgroup zeroes its
+    // half of V there before its product (cp.async zero-fills those rows itself).
+    auto zero_tail = [&](int stage, int first) {
+      if constexpr (kTma) {
+        const int valid = w.kv_hi - first;
+        if (valid < kTokens) {
+          unsigned char* half_v = kv_s + stage * kTileBytes + group * 4 * kChunkBytes;
+          for (int v = tid % kGroupThreads; v < (kTokens - valid) * 32; v += kGroupThreads) {
+            const int r = valid + v / 32, c = (v / 8) % 4, u = v % 8;
+            *reinterpret_cast<int4*>(half_v + c * kChunkBytes + arch::swizzled_offset(r, u)) = make_int4(0, 0, 0, 0);
+          }
+          arch::fence_proxy_async();
+          arch::named_barrier_sync(kTailZeroed + group, kGroupThreads);
+        }
+      }
+    };
+    // A half of a stage is no longer read by this warpgroup: the TMA variant frees it for the copy
+    // thread, the cp.async variant refills it here.
+    auto release = [&](int stage, bool refill, const char* row_addr) {
+      if constexpr (kTma) {
+        arch::mbarrier_arrive(&freed[2 * stage + group]);
+      } else {
+        if (refill) copy_half(stage, row_addr);
+      }
+    };
+
     for (int pair = 0; 2 * pair < tiles; ++pair) {
       const int j = w.kv_lo + 2 * pair * kTokens;  // the pair's first kv position
       const bool has_tile1 = 2 * pair + 1 < tiles;
       const uint32_t parity = pair & 1;
       // The next pair's row addresses are looked up a while before their copies are issued.
-      const char* next = 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : nullptr;
+      const char* next = !kTma && 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : nullptr;
       float alpha[2];
       if (group == 0) {
         scores(0, parity);
@@ -284,19 +383,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs0Ready, kThreads);
         rescale(alpha);
+        zero_tail(0, j);
         accumulate_own(0);
         finish_accumulate();
-        if (2 * pair + 2 < tiles) copy_half(0, next);  // the next tile 0's half, as this one is read
-        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        release(0, 2 * pair + 2 < tiles, next);  // the next tile 0's half, as this one is read
+        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         arch::named_barrier_sync(kProbs1Ready, kThreads);
         adopt_max(1, alpha);
         rescale(alpha);
         if (has_tile1) {
-          arch::mbarrier_wait(&landed[2], parity);  // this warpgroup's own copy of tile 1's half
-          arch::fence_proxy_async();
+          arch::mbarrier_wait(&landed[2], parity);  // this warpgroup's half of tile 1
+          if constexpr (!kTma) arch::fence_proxy_async();
+          zero_tail(1, j + kTokens);
           accumulate_shared(1, p1_s);
           finish_accumulate();
-          if (2 * pair + 3 < tiles) copy_half(1, next);
+          release(1, 2 * pair + 3 < tiles, next);
         }
       } else {
         // Tile 1's scores wait for tile 0's: the tensor cores then finish S0 first, and warpgroup
@@ -307,7 +408,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
         adopt_max(0, alpha);
         rescale(alpha);
         arch::mbarrier_wait(&landed[1], parity);
-        arch::fence_proxy_async();
+        if constexpr (!kTma) arch::fence_proxy_async();
+        zero_tail(0, j);
         accumulate_shared(0, p0_s);
         if (has_tile1) {  // under the product above
           softmax(j + kTokens, alpha);
@@ -317,13 +419,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
         finish_accumulate();  // P0 is no longer read: warpgroup 0 may overwrite it
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs1Ready, kThreads);
-        if (2 * pair + 2 < tiles) copy_half(0, next);
-        next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        release(0, 2 * pair + 2 < tiles, next);
+        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         if (has_tile1) {
           rescale(alpha);
+          zero_tail(1, j + kTokens);
           accumulate_own(1);
           finish_accumulate();
-          if (2 * pair + 3 < tiles) copy_half(1, next);
+          release(1, 2 * pair + 3 < tiles, next);
         }
       }
     }
@@ -335,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
       row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
       if (lane % 4 == 0) sum_s[group * kRows + row_of[hh]] = row_sum[hh];
     }
-    __syncthreads();
+    arch::named_barrier_sync(kMathSync, kThreads);
     const bool split = p.num_splits > 1;
     const int64_t total_rows = p.total_q_tokens * p.num_heads;
     // Read again rather than kept: the main loop needs every register (it would be spilled).
@@ -383,13 +486,74 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgmma_kernel(const Atte
 
 }  // namespace sm90
 
+namespace sm90 {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder, found through the runtime (no link against libcuda).
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess)
+      return EncodeTiled(nullptr);
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A tensor map whose 128-byte swizzled boxes are the kernel's tile chunks, when every tile of the
+// launch is whole boxes: splits on 64-token boundaries, blocks of 16, 32 or a multiple of 64 rows,
+// 16-byte aligned base and strides. (MLA_KV_SM90_CP_ASYNC=1 keeps the cp.async copies, for
+// side-by-side measurement.)
+template <class T>
+bool make_tile_map(const AttentionParams& p, const PagedTableRows& rows, CUtensorMap& map) {
+  const PagedCache& c = rows.cache;
+  const char* off = std::getenv("MLA_KV_SM90_CP_ASYNC");
+  if (off != nullptr && off[0] == '1') return false;
+  if (p.tokens_per_split % kTokens != 0) return false;
+  if (!(c.block_size == 16 || c.block_size == 32 || c.block_size % kTokens == 0)) return false;
+  if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.row.row_stride_bytes % 16 != 0 ||
+      c.block_stride_bytes % 16 != 0 || c.num_blocks >= (int64_t(1) << 31))
+    return false;
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(kRowDim), cuuint64_t(c.block_size), cuuint64_t(c.num_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(c.row.row_stride_bytes), cuuint64_t(c.block_stride_bytes)};
+  const cuuint32_t box[3] = {64, cuuint32_t(std::min(kTokens, c.block_size)), 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUtensorMapDataType type =
+      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(&map, type, 3, c.base, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <class T, class Rows, bool kTma>
+Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map, int grid_x, cudaStream_t stream) {
+  const auto kernel = attention_wgmma_kernel<T, Rows, kTma>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)) != cudaSuccess)
+    return Status::kCudaError;
+  kernel<<<dim3(grid_x, p.num_splits), kTma ? kTmaThreads : kThreads, kBytes, stream>>>(p, rows, map);
+  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+}
+
+}  // namespace sm90
+
 template <class T, class Rows>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream) {
-  const auto kernel = sm90::attention_wgmma_kernel<T, Rows>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sm90::kBytes)) != cudaSuccess)
-    return Status::kCudaError;
-  kernel<<<dim3(grid_x, p.num_splits), sm90::kThreads, sm90::kBytes, stream>>>(p, rows);
-  if (cudaPeekAtLastError() != cudaSuccess) return Status::kCudaError;
+  CUtensorMap map{};
+  Status st;
+  if constexpr (std::is_same_v<Rows, PagedTableRows>) {
+    st = sm90::make_tile_map<T>(p, rows, map) ? sm90::launch<T, Rows, true>(p, rows, map, grid_x, stream)
+                                               : sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
+  } else {
+    st = sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
+  }
+  if (st != Status::kOk) return st;
   return launch_combine<T>(p, stream);
 }
 
