@@ -16,7 +16,8 @@ import common  # noqa: E402
 
 import mla_kv  # noqa: E402
 
-TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (1, 32768, 20), (8, 32768, 20)]
+TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (64, 4096, 128), (1, 32768, 20), (8, 32768, 20),
+               (1, 512, 20), (8, 4096, 20)]
 
 
 def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
@@ -44,7 +45,7 @@ def kernel_times(batch, ctx, heads, calls=20):
     times = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            name = "attention" if "attention_kernel" in e.name else "combine" if "combine" in e.name else e.name[:40]
+            name = "combine" if "combine" in e.name else "attention" if "attention" in e.name else e.name[:40]
             times.setdefault(name, []).append(e.device_time)
     print(f"B={batch} ctx={ctx} H={heads} splits={schedule.num_splits}: "
           + ", ".join(f"{k} {sum(v) / len(v):.1f} us" for k, v in times.items()))

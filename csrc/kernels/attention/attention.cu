@@ -15,17 +15,16 @@ constexpr int kTileTokens = 64;  // splits end on tile boundaries of every CTA s
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-// Hopper runs CTAs of more than 16 query rows on the wgmma kernel (64 rows, padded). 16 rows or
-// fewer stay on the Sm80 kernel: two 16-row CTAs share an SM there, and 64-row padding would
-// quadruple the tensor work (H200, B=64 ctx 4K: H=16 73% of copy bandwidth on Sm80; H=20 on
-// wgmma, the padded work H=16 would have, 71%).
-bool uses_wgmma(int64_t rows, Arch arch) { return arch == Arch::kSm90 && rows > 16; }
+// Hopper runs every CTA on the wgmma kernel (64 rows, padded): with its TMA tile loads it streams
+// the cache faster than the Sm80 kernel's 16-row CTAs, two per SM, do even where the padding
+// quadruples the tensor work (H200, B=64 ctx 4K, H=16: 79% of copy bandwidth against 72%).
+bool uses_wgmma(Arch arch) { return arch == Arch::kSm90; }
 
 // The mma.sync kernel variant a tag runs (Hopper's is Ampere's).
 Arch mma_sync_arch(Arch arch) { return arch == Arch::kSm90 ? Arch::kSm80 : arch; }
 
 int block_m_for(int64_t rows, Arch arch) {
-  if (uses_wgmma(rows, arch)) return 64;
+  if (uses_wgmma(arch)) return 64;
   if (rows <= 16) return 16;
   // Volta's 96 KB of shared memory holds a 32-row Q tile next to the KV tile, not a 64-row one.
   if (rows <= 32 || arch == Arch::kSm70) return 32;
@@ -53,7 +52,7 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   const int block_m = block_m_for(rows_per_seq, tag);
   const int grid_x = grid_x_for(p, block_m);
   using namespace attention_detail;
-  if (uses_wgmma(rows_per_seq, tag)) {
+  if (uses_wgmma(tag)) {
     return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
                                        : launch_attention_wgmma<__half>(p, rows, grid_x, stream);
   }

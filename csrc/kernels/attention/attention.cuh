@@ -11,6 +11,8 @@
 // Reference: python/mla_kv/reference_attention.py (decode, prefill).
 #pragma once
 
+#include <cstdlib>  // EXPERIMENT
+
 #include <cfloat>
 #include <cstdint>
 
@@ -467,6 +469,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   // out/lse rows stay untouched.
   if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  arch::wait_for_prior_grid();
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
 
@@ -557,6 +560,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
   const int64_t flat = int64_t(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
   if (flat >= total_rows) return;
   if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;  // see above
+  arch::wait_for_prior_grid();
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
 
@@ -615,18 +619,30 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
-// Merges the splits of a launch (nothing to do for one split).
+// Merges the splits of a launch (nothing to do for one split). `early`: the attention kernel
+// before it lets its dependents start early (arch::allow_dependent_grid), so the combine is
+// launched as a programmatic dependent: its CTAs take the SMs the attention CTAs leave.
 template <class T>
-Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
+Status launch_combine(const AttentionParams& p, bool early, cudaStream_t stream) {
   if (p.num_splits == 1) return Status::kOk;  // (dispatch checked 1 <= num_splits <= kMaxAttentionSplits)
   const int64_t rows_total = p.total_q_tokens * p.num_heads;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kCombineWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = early && std::getenv("MLA_KV_EXP_NO_PDL") == nullptr ? 1 : 0;  // EXPERIMENT
+  cudaError_t err;
   if (p.num_splits <= kFewSplits) {
-    combine_few_splits_kernel<T>
-        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
+    cfg.gridDim = dim3(unsigned((rows_total + kCombineWarps - 1) / kCombineWarps));
+    err = cudaLaunchKernelEx(&cfg, combine_few_splits_kernel<T>, p);
   } else {
-    combine_splits_kernel<T><<<dim3(unsigned(rows_total), combine_chunks(p.num_splits)), kCombineWarps * 32, 0, stream>>>(p);
+    cfg.gridDim = dim3(unsigned(rows_total), combine_chunks(p.num_splits));
+    err = cudaLaunchKernelEx(&cfg, combine_splits_kernel<T>, p);
   }
-  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+  return err == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
 template <class A, class T, class Rows>
@@ -643,7 +659,7 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
   else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
-  return s == Status::kOk ? launch_combine<T>(p, stream) : s;
+  return s == Status::kOk ? launch_combine<T>(p, false, stream) : s;
 }
 
 }  // namespace attention_detail
