@@ -119,6 +119,36 @@ def test_decode_long_contexts_split_kv(dtype, heads, lens):
         check(out, lse, ref_out, ref_lse, dtype, f"long H={heads} arch={arch}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_decode_ignores_nan_past_sequence_ends(dtype, block_size):
+    """A cache from torch.empty holds anything where nothing was written: every slot past a
+    sequence's length (in its last block, in unused blocks) is NaN here. Whole-box tile loads (TMA)
+    read those slots; they must not reach the output (0 x NaN is NaN, so masking scores is not
+    enough)."""
+    gen = torch.Generator(device="cuda").manual_seed(block_size + 3)
+    lens = [1, block_size - 1, 2 * block_size + 7, 700, 1500]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    cache = random_cache(num_blocks, block_size, dtype, gen)
+    table = random_table(lens, block_size, num_blocks, gen)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool, device="cuda")
+    for b, n in enumerate(lens):
+        slots = torch.arange(n, device="cuda")
+        written[table[b, slots // block_size].long(), slots % block_size] = True
+    clean = cache.masked_fill(~written[..., None], 0.0)
+    cache = cache.masked_fill(~written[..., None], float("nan"))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = 1.0 / math.sqrt(192)
+    for heads in (20, 128):
+        q = torch.randn(len(lens), 1, heads, 576, generator=gen, device="cuda").to(dtype)
+        ref_out, ref_lse = reference.decode(q.double(), clean.double(), table, seq_lens, scale)
+        for arch in archs_for(dtype):
+            out = torch.full((len(lens), 1, heads, 512), float("nan"), dtype=dtype, device="cuda")
+            lse = torch.full((len(lens), 1, heads), float("nan"), device="cuda")
+            mla_kv.decode(q, cache, table, seq_lens, scale, out=out, lse=lse, arch=arch)
+            check(out, lse, ref_out, ref_lse, dtype, f"NaN past ends bs={block_size} H={heads} arch={arch}")
+
+
 def test_decode_forced_splits_match_reference():
     gen = torch.Generator(device="cuda").manual_seed(5)
     lens = [0, 5, 100, 333, 1024]  # random_table gives 17 blocks of 64 = 1088 positions per sequence

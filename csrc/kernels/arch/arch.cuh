@@ -43,21 +43,6 @@ __host__ __device__ constexpr bool target_supports() {
 #endif
 }
 
-// --- programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without it) ---
-// A kernel whose dependent was launched with programmatic stream serialization lets that grid be
-// scheduled early; the dependent waits for this grid's completion (and memory) before reading
-// what it wrote. Its CTAs then start as this grid's CTAs leave, without a launch gap.
-__device__ __forceinline__ void allow_dependent_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // --- element conversions (fp32 math everywhere) ---
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

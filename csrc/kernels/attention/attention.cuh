@@ -11,8 +11,6 @@
 // Reference: python/mla_kv/reference_attention.py (decode, prefill).
 #pragma once
 
-#include <cstdlib>  // EXPERIMENT
-
 #include <cfloat>
 #include <cstdint>
 
@@ -449,19 +447,22 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
 }
 
 // Merges the per-split partial states of the workspace into out / lse (more than kFewSplits splits;
-// fewer go to combine_few_splits_kernel below). CTA (row, chunk) owns
-// 512 / gridDim.y latent columns of one (token, head) row; its 8 warps fold disjoint sets of splits
-// (each lane two columns per 64) with independent loads in flight, then add their sums in shared
-// memory. Many splits (one long sequence) spread a row over up to 8 CTAs; few splits keep one.
+// fewer go to combine_few_splits_kernel below). CTA (row, chunk) owns kGroups 64-column groups of
+// one (token, head) row; its 8 warps fold disjoint sets of splits (each lane two columns per group),
+// then add their sums in shared memory. Many splits (one long sequence) spread a row over up to 8
+// CTAs; few splits keep one. The kernel is latency-bound (a few KB per CTA): a warp issues the
+// loads of up to kInFlight splits at once, the first of them before the split weights are known,
+// so that the lse pass and the partial loads share one memory latency.
 constexpr int kCombineWarps = 8;
 constexpr int kCombineGroups = kLatentDim / 64;  // 64-column groups of a row
 
 inline int combine_chunks(int num_splits) { return num_splits >= 64 ? 8 : num_splits >= 16 ? 2 : 1; }
 
-template <class T>
+template <class T, int kGroups>
 __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(const AttentionParams p) {
+  constexpr int kInFlight = kGroups == 1 ? 16 : 32 / kGroups;  // 32-64 registers of loads
   __shared__ float weight_s[kMaxAttentionSplits];
-  __shared__ float2 partial_s[kCombineWarps][kCombineGroups][32];
+  __shared__ float2 partial_s[kCombineWarps][kGroups][32];
   __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int64_t flat = blockIdx.x;
@@ -469,9 +470,24 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   // out/lse rows stay untouched.
   if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  arch::wait_for_prior_grid();
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
+  const int col0 = blockIdx.y * kGroups * 64 + lane * 2;
+
+  // Warp w folds splits w, w + kCombineWarps, ...; x holds the kInFlight of them in flight. A split
+  // whose kv range was empty wrote no partial: its (weight 0) garbage is loaded but never used.
+  float2 x[kInFlight][kGroups];
+  auto load = [&](int i0) {
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = i0 + u * kCombineWarps;
+      const float* src = parts + (i * total_rows + flat) * kLatentDim + col0;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g)
+        x[u][g] = i < p.num_splits ? *reinterpret_cast<const float2*>(src + g * 64) : make_float2(0.f, 0.f);
+    }
+  };
+  load(warp);
 
   float m = -INFINITY;
   for (int i = tid; i < p.num_splits; i += blockDim.x) m = fmaxf(m, lses[i * total_rows + flat]);
@@ -496,36 +512,25 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
 #pragma unroll
   for (int w = 0; w < kCombineWarps; ++w) denom += sum_s[w];
 
-  const int groups = kCombineGroups / gridDim.y, col0 = blockIdx.y * groups * 64 + lane * 2;
-  float2 o[kCombineGroups];
+  float2 o[kGroups];
 #pragma unroll
-  for (int g = 0; g < kCombineGroups; ++g) o[g] = make_float2(0.f, 0.f);
-  // Warp w sums splits w, w + kCombineWarps, ..., kSplitsInFlight at a time with all their loads
-  // issued first: one split at a time, each warp would wait out an L2 latency per split.
-  constexpr int kSplitsInFlight = 4;
-  for (int i0 = warp; i0 < p.num_splits; i0 += kSplitsInFlight * kCombineWarps) {
-    float wgt[kSplitsInFlight];
-    float2 x[kSplitsInFlight][kCombineGroups];
+  for (int g = 0; g < kGroups; ++g) o[g] = make_float2(0.f, 0.f);
+  for (int i0 = warp; i0 < p.num_splits; i0 += kInFlight * kCombineWarps) {
+    if (i0 != warp) load(i0);
 #pragma unroll
-    for (int u = 0; u < kSplitsInFlight; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       const int i = i0 + u * kCombineWarps;
-      wgt[u] = i < p.num_splits ? weight_s[i] : 0.f;
-      const float* src = parts + (i * total_rows + flat) * kLatentDim + col0;
+      const float wgt = i < p.num_splits ? weight_s[i] : 0.f;
+      if (wgt == 0.f) continue;
 #pragma unroll
-      for (int g = 0; g < kCombineGroups; ++g)  // an empty split's partial is never read
-        x[u][g] = g < groups && wgt[u] != 0.f ? *reinterpret_cast<const float2*>(src + g * 64) : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-    for (int u = 0; u < kSplitsInFlight; ++u)
-#pragma unroll
-      for (int g = 0; g < kCombineGroups; ++g) {
-        o[g].x += wgt[u] * x[u][g].x;
-        o[g].y += wgt[u] * x[u][g].y;
+      for (int g = 0; g < kGroups; ++g) {
+        o[g].x += wgt * x[u][g].x;
+        o[g].y += wgt * x[u][g].y;
       }
+    }
   }
 #pragma unroll
-  for (int g = 0; g < kCombineGroups; ++g)
-    if (g < groups) partial_s[warp][g][lane] = o[g];
+  for (int g = 0; g < kGroups; ++g) partial_s[warp][g][lane] = o[g];
   __syncthreads();
   const int64_t token = flat / p.num_heads;
   const int h = int(flat - token * p.num_heads);
@@ -533,7 +538,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   if (p.cu_q_lens == nullptr) { b = token / p.q_len; t = token - b * p.q_len; }
   T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + int64_t(h) * p.out_stride_h + col0;
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  for (int g = warp; g < groups; g += kCombineWarps) {  // warp g writes 64-column group g
+  for (int g = warp; g < kGroups; g += kCombineWarps) {  // warp g writes 64-column group g
     float2 sum = make_float2(0.f, 0.f);
     for (int w = 0; w < kCombineWarps; ++w) {
       sum.x += partial_s[w][g][lane].x;
@@ -560,10 +565,23 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
   const int64_t flat = int64_t(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
   if (flat >= total_rows) return;
   if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;  // see above
-  arch::wait_for_prior_grid();
   const float* parts = static_cast<const float*>(p.workspace);
   const float* lses = parts + size_t(p.num_splits) * total_rows * kLatentDim;
 
+  // The first four splits' partials are loaded before the weights are known (one memory latency
+  // for both); an empty split's (weight 0) garbage is loaded but never used.
+  constexpr int kPieces = kLatentDim / 128;  // float4 pieces per lane: columns 4 lane + 128 g
+  float4 x[4][kPieces];
+  auto load = [&](int i0) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float* src = parts + ((i0 + u) * total_rows + flat) * kLatentDim + 4 * lane;
+#pragma unroll
+      for (int g = 0; g < kPieces; ++g)
+        x[u][g] = i0 + u < p.num_splits ? *reinterpret_cast<const float4*>(src + 128 * g) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load(0);
   const float own_lse = lane < p.num_splits ? lses[lane * total_rows + flat] : -INFINITY;
   float m = own_lse;
 #pragma unroll
@@ -573,31 +591,23 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, d);
 
-  constexpr int kPieces = kLatentDim / 128;  // float4 pieces per lane: columns 4 lane + 128 g
   float4 o[kPieces];
 #pragma unroll
   for (int g = 0; g < kPieces; ++g) o[g] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int i0 = 0; i0 < p.num_splits; i0 += 4) {
-    float wgt[4];
-    float4 x[4][kPieces];
+    if (i0 > 0) load(i0);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      wgt[u] = __shfl_sync(0xffffffffu, own_weight, (i0 + u) & 31);
-      if (i0 + u >= p.num_splits) wgt[u] = 0.f;
-      const float* src = parts + ((i0 + u) * total_rows + flat) * kLatentDim + 4 * lane;
-#pragma unroll
-      for (int g = 0; g < kPieces; ++g)  // an empty split's partial is never read
-        x[u][g] = wgt[u] != 0.f ? *reinterpret_cast<const float4*>(src + 128 * g) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
+      const float wgt = i0 + u < p.num_splits ? __shfl_sync(0xffffffffu, own_weight, (i0 + u) & 31) : 0.f;
+      if (wgt == 0.f) continue;  // (the same for every lane)
 #pragma unroll
       for (int g = 0; g < kPieces; ++g) {
-        o[g].x += wgt[u] * x[u][g].x;
-        o[g].y += wgt[u] * x[u][g].y;
-        o[g].z += wgt[u] * x[u][g].z;
-        o[g].w += wgt[u] * x[u][g].w;
+        o[g].x += wgt * x[u][g].x;
+        o[g].y += wgt * x[u][g].y;
+        o[g].z += wgt * x[u][g].z;
+        o[g].w += wgt * x[u][g].w;
       }
+    }
   }
   const int64_t token = flat / p.num_heads;
   const int h = int(flat - token * p.num_heads);
@@ -619,30 +629,22 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
-// Merges the splits of a launch (nothing to do for one split). `early`: the attention kernel
-// before it lets its dependents start early (arch::allow_dependent_grid), so the combine is
-// launched as a programmatic dependent: its CTAs take the SMs the attention CTAs leave.
+// Merges the splits of a launch (nothing to do for one split).
 template <class T>
-Status launch_combine(const AttentionParams& p, bool early, cudaStream_t stream) {
+Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
   if (p.num_splits == 1) return Status::kOk;  // (dispatch checked 1 <= num_splits <= kMaxAttentionSplits)
   const int64_t rows_total = p.total_q_tokens * p.num_heads;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kCombineWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = early && std::getenv("MLA_KV_EXP_NO_PDL") == nullptr ? 1 : 0;  // EXPERIMENT
-  cudaError_t err;
   if (p.num_splits <= kFewSplits) {
-    cfg.gridDim = dim3(unsigned((rows_total + kCombineWarps - 1) / kCombineWarps));
-    err = cudaLaunchKernelEx(&cfg, combine_few_splits_kernel<T>, p);
+    combine_few_splits_kernel<T>
+        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
   } else {
-    cfg.gridDim = dim3(unsigned(rows_total), combine_chunks(p.num_splits));
-    err = cudaLaunchKernelEx(&cfg, combine_splits_kernel<T>, p);
+    const int chunks = combine_chunks(p.num_splits);
+    const dim3 grid(unsigned(rows_total), chunks);
+    if (chunks == 8) combine_splits_kernel<T, kCombineGroups / 8><<<grid, kCombineWarps * 32, 0, stream>>>(p);
+    else if (chunks == 2) combine_splits_kernel<T, kCombineGroups / 2><<<grid, kCombineWarps * 32, 0, stream>>>(p);
+    else combine_splits_kernel<T, kCombineGroups><<<grid, kCombineWarps * 32, 0, stream>>>(p);
   }
-  return err == cudaSuccess ? Status::kOk : Status::kCudaError;
+  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
 template <class A, class T, class Rows>
@@ -659,7 +661,7 @@ Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m,
   else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
   else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
   else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
-  return s == Status::kOk ? launch_combine<T>(p, false, stream) : s;
+  return s == Status::kOk ? launch_combine<T>(p, stream) : s;
 }
 
 }  // namespace attention_detail

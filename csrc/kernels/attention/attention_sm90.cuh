@@ -127,7 +127,6 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]: copied
     uint64_t* freed = landed + 4;  // [stage][half]: read (TMA variant)
 
-    arch::allow_dependent_grid();  // the combine (launch_combine) waits for this grid's end anyway
     Work w;
     if (!find_work<kRows>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -555,7 +554,7 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
     st = sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
   }
   if (st != Status::kOk) return st;
-  return launch_combine<T>(p, true, stream);
+  return launch_combine<T>(p, stream);
 }
 
 }  // namespace attention_detail
