@@ -558,8 +558,8 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     Returns out [B, S_q, H, 512] (q's dtype) and lse [B, S_q, H] float32 (natural log); a query that
     sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
     attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
-    ``arch`` forces a kernel variant for testing ("sm70", "sm75", "sm80"; "sm90" runs CTAs of more
-    than 16 query rows on the Hopper wgmma kernel, smaller ones on the sm80 kernel).
+    ``arch`` forces a kernel variant for testing ("sm70", "sm75", "sm80", "sm90": the Hopper wgmma
+    kernel, TMA tile loads on paged caches).
     Reference: mla_kv.reference.decode.
     """
     _check_q(q, 4)

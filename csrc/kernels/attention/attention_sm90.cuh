@@ -12,11 +12,16 @@
 // A warpgroup's own P is the A operand straight from registers; the other's is read from shared
 // memory (P0 in its own buffer, P1 over tile 1's rope chunk, which only the scores read).
 //
-// Each warpgroup copies (cp.async) its half of every tile, the part its own products read last:
-// warpgroup 0 the latent chunks 0..3 and the rope chunk, warpgroup 1 the latent chunks 4..7. A
-// half is refilled with the next pair's tile as soon as its last reader is done, and an mbarrier
-// per half and stage says when it has landed. Q, the tiles and P are kept in the 128-byte swizzled
-// layout wgmma reads (arch/wgmma.cuh).
+// A tile is copied in two halves, the parts each warpgroup's own products read last: the latent
+// chunks 0..3 with the rope chunk (warpgroup 0's), the latent chunks 4..7 (warpgroup 1's). A half
+// is refilled with the next pair's tile as soon as its last reader is done, and an mbarrier per
+// half and stage says when it has landed. Two copy paths:
+//   - TMA (paged caches whose tiles are whole boxes of a tensor map, make_tile_map): a third
+//     warpgroup hands its registers to the math warpgroups, and one of its threads issues every
+//     copy; "freed" mbarriers tell it when a half may be overwritten. Boxes read whole blocks, so
+//     rows past the sequence's end are zeroed in shared memory before P.V (zero_tail).
+//   - cp.async (block pointers, other paged caches): each math warpgroup copies its own half.
+// Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
 #pragma once
 
 #include <cstdlib>
@@ -492,29 +497,40 @@ using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, 
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// The driver's tensor-map encoder, found through the runtime (no link against libcuda).
+// The driver's tensor-map encoder, found through the runtime (no link against libcuda); null when
+// the driver has none (the launch then takes the cp.async path).
 inline EncodeTiled encode_tiled() {
   static const EncodeTiled fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
     const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess)
-      return EncodeTiled(nullptr);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return EncodeTiled(nullptr);
     return reinterpret_cast<EncodeTiled>(f);
   }();
   return fn;
 }
 
+// MLA_KV_SM90_CP_ASYNC=1 keeps the cp.async copies on every cache, for side-by-side measurement
+// (read once per process).
+inline bool tma_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MLA_KV_SM90_CP_ASYNC");
+    return v == nullptr || v[0] != '1';
+  }();
+  return allowed;
+}
+
 // A tensor map whose 128-byte swizzled boxes are the kernel's tile chunks, when every tile of the
 // launch is whole boxes: splits on 64-token boundaries, blocks of 16, 32 or a multiple of 64 rows,
-// 16-byte aligned base and strides. (MLA_KV_SM90_CP_ASYNC=1 keeps the cp.async copies, for
-// side-by-side measurement.)
+// 16-byte aligned base and strides.
 template <class T>
 bool make_tile_map(const AttentionParams& p, const PagedTableRows& rows, CUtensorMap& map) {
   const PagedCache& c = rows.cache;
-  const char* off = std::getenv("MLA_KV_SM90_CP_ASYNC");
-  if (off != nullptr && off[0] == '1') return false;
-  if (p.tokens_per_split % kTokens != 0) return false;
+  if (!tma_allowed() || p.tokens_per_split % kTokens != 0) return false;
   if (!(c.block_size == 16 || c.block_size == 32 || c.block_size % kTokens == 0)) return false;
   if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.row.row_stride_bytes % 16 != 0 ||
       c.block_stride_bytes % 16 != 0 || c.num_blocks >= (int64_t(1) << 31))
