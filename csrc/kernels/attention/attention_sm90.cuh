@@ -77,12 +77,30 @@ __device__ __forceinline__ int tiles_of(const Work& w) {
   return w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
 }
 
+// The block of each TMA box (min(64, block_size) rows) of the tile starting at kv position
+// `first`, `num_blocks` (past the map's end: TMA reads zeros) for boxes outside the table. Loaded
+// a tile ahead, so that the copy thread does not wait on the block table before each copy;
+// positions past the sequence's end are checked when a box is issued.
+constexpr int kMaxBoxes = kTokens / 16;  // TMA tiles need blocks of >= 16 rows
+__device__ __forceinline__ void tile_blocks(const PagedTableRows& rows, int b, int first, int (&blocks)[kMaxBoxes]) {
+  const int block_size = rows.cache.block_size, box_rows = min(kTokens, block_size);
+#pragma unroll
+  for (int k = 0; k < kMaxBoxes; ++k) {
+    blocks[k] = int(rows.cache.num_blocks);
+    const int i = block_index(first + k * box_rows, block_size);
+    if (k * box_rows < kTokens && i < rows.max_blocks) {
+      const int id = rows.block_table[b * rows.block_table_stride + i];
+      if (id >= 0 && id < rows.cache.num_blocks) blocks[k] = id;
+    }
+  }
+}
+
 // The TMA variant's copy thread: every tile of the CTA's kv range, half by half (the halves the
-// math warpgroups free separately), into its stage once that half's readers have freed it. A box
-// covers min(64, block_size) rows of one block; boxes past the sequence or outside the table read
-// block `num_blocks`, past the map's end, which TMA fills with zeros.
+// math warpgroups free separately), into its stage once that half's readers have freed it.
+// `blocks`: tile_blocks of the first tile.
 __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const Work& w, const CUtensorMap& map,
-                                               unsigned char* kv_s, uint64_t* landed, uint64_t* freed) {
+                                               unsigned char* kv_s, uint64_t* landed, uint64_t* freed,
+                                               int (&blocks)[kMaxBoxes]) {
   const int block_size = rows.cache.block_size, box_rows = min(kTokens, block_size);
   const int past_end = int(rows.cache.num_blocks);
   const int tiles = tiles_of(w);
@@ -94,14 +112,11 @@ __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const
       uint64_t* bar = &landed[2 * stage + half];
       const int chunks = half == 0 ? 5 : 4;
       arch::mbarrier_arrive_expect(bar, chunks * kChunkBytes);
-      for (int r = 0; r < kTokens; r += box_rows) {
-        const int pos = first + r;
-        int block = past_end;
-        if (pos < w.kv_hi) {
-          const int i = block_index(pos, block_size);
-          const int id = i < rows.max_blocks ? rows.block_table[w.b * rows.block_table_stride + i] : -1;
-          if (id >= 0 && id < rows.cache.num_blocks) block = id;
-        }
+#pragma unroll
+      for (int k = 0; k < kMaxBoxes; ++k) {
+        const int r = k * box_rows, pos = first + r;
+        if (r >= kTokens) break;
+        const int block = pos < w.kv_hi ? blocks[k] : past_end;
         const int row = block_offset(pos, block_size);
         for (int c = 0; c < chunks; ++c) {
           const int chunk = half == 1 ? 4 + c : c < 4 ? c : kRopeChunk;
@@ -110,6 +125,7 @@ __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const
         }
       }
     }
+    if (t + 1 < tiles) tile_blocks(rows, w.b, first + kTokens, blocks);  // waited for at the next copy
   }
 }
 
@@ -140,30 +156,35 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     const int group = __shfl_sync(0xffffffffu, warp / 4, 0);
     const int rows_here = min(kRows, w.q_len * p.num_heads - w.row0);
     const int tiles = tiles_of(w);
+    // The copy thread's first block-table reads go out next to find_work's (kv_len) ones.
+    int first_blocks[kMaxBoxes];
+    if constexpr (kTma) {
+      if (tid == kThreads) tile_blocks(rows, w.b, w.kv_lo, first_blocks);
+    }
     if (tid < 4) {
       arch::mbarrier_init(&landed[tid], kTma ? 1 : kGroupThreads);
       arch::mbarrier_init(&freed[tid], kGroupThreads);
     }
+    // Q rows -> swizzled smem by cp.async, zeros past the sequence's last row (one group, waited
+    // below; the tile copies after it are tracked by the mbarriers alone).
+    if (tid < kThreads) {
+      for (int v = tid; v < kRows * kVecsPerRow; v += kThreads) {
+        const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
+        const T* src = q_row<T>(p, w, r, rows_here);
+        arch::cp_async_16(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8),
+                          src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
+      }
+      arch::cp_async_commit();
+    }
+    __syncthreads();  // the mbarriers are initialized
     if constexpr (kTma) {
-      __syncthreads();  // the mbarriers are initialized
       if (warp >= kThreads / 32) {
         arch::shrink_registers<kCopyRegisters>();
-        if (tid == kThreads) copy_tiles_tma(rows, w, tile_map, kv_s, landed, freed);
+        if (tid == kThreads) copy_tiles_tma(rows, w, tile_map, kv_s, landed, freed, first_blocks);
         return;
       }
       arch::grow_registers<kMathRegisters>();
     }
-
-    // Q rows -> swizzled smem by cp.async, zeros past the sequence's last row (one group, waited
-    // below; the tile copies after it are tracked by the mbarriers alone).
-    for (int v = tid; v < kRows * kVecsPerRow; v += kThreads) {
-      const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-      const T* src = q_row<T>(p, w, r, rows_here);
-      arch::cp_async_16(q_s + (c / 8) * kChunkBytes + arch::swizzled_offset(r, c % 8),
-                        src ? src + c * 8 : static_cast<const T*>(p.q), src != nullptr);
-    }
-    arch::cp_async_commit();
-    if constexpr (!kTma) __syncthreads();  // the mbarriers are initialized
 
     // Tile copies. Lane t < 16 of the warpgroup's warp q finds the address of tile row 16 q + t;
     // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
