@@ -55,6 +55,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// 2^x on the special-function unit, results below 2^-126 flushed to zero (softmax weights that
+// small change no sum), without exp2f's denormal handling (predicates and registers).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // N elements of T moved as one access (16 bytes when N * sizeof(T) == 16).
 template <class T, int N>
 struct alignas(sizeof(T) * N) Vec {

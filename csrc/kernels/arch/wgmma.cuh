@@ -72,7 +72,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Hopper's pipeline primitives beyond wgmma: mbarriers that cp.async copies complete, and named
+// Hopper's pipeline primitives beyond wgmma: mbarriers that cp.async and TMA copies complete, and named
 // barriers through which the two warpgroups hand each other work (ids 1.., 0 is __syncthreads).
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
 #if MLA_KV_HAS_WGMMA
@@ -143,15 +143,6 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 #if MLA_KV_HAS_WGMMA
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 #endif
-}
-
-// 2^x on the special-function unit, results below 2^-126 flushed to zero (softmax weights that
-// small change no sum); exp2f's denormal handling costs predicates and registers the wgmma
-// kernel does not have.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // D[64 x N] (fp32, registers) = A[64 x 16] . B[16 x N] (+ D when `accumulate`). A K-major, from

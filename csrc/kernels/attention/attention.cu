@@ -17,11 +17,8 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 // Hopper runs every CTA on the wgmma kernel (64 rows, padded): with its TMA tile loads it streams
 // the cache faster than the Sm80 kernel's 16-row CTAs, two per SM, do even where the padding
-// quadruples the tensor work (H200, B=64 ctx 4K, H=16: 79% of copy bandwidth against 72%).
+// quadruples the tensor work (H200, B=64 ctx 4K, H=16: 85% of copy bandwidth against 72%).
 bool uses_wgmma(Arch arch) { return arch == Arch::kSm90; }
-
-// The mma.sync kernel variant a tag runs (Hopper's is Ampere's).
-Arch mma_sync_arch(Arch arch) { return arch == Arch::kSm90 ? Arch::kSm80 : arch; }
 
 int block_m_for(int64_t rows, Arch arch) {
   if (uses_wgmma(arch)) return 64;
@@ -56,12 +53,11 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
     return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
                                        : launch_attention_wgmma<__half>(p, rows, grid_x, stream);
   }
-  const Arch mma_tag = mma_sync_arch(tag);
   if (p.dtype == DType::kBFloat16) {
-    if (mma_tag != Arch::kSm80) return Status::kUnsupportedDType;
+    if (tag != Arch::kSm80) return Status::kUnsupportedDType;
     return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, block_m, grid_x, stream);
   }
-  switch (mma_tag) {
+  switch (tag) {
     case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, block_m, grid_x, stream);
     case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, block_m, grid_x, stream);
     default: return launch_attention<arch::Sm80, __half>(p, rows, block_m, grid_x, stream);
@@ -79,9 +75,7 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   // many pieces as fit in one wave (a CTA holds a whole SM's shared memory): a second, partial wave
   // would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
   // (16-row CTAs of the Sm80 kernel run two per SM.)
-  const Arch mma_tag = mma_sync_arch(arch);
-  const int64_t slots =
-      int64_t(sm_count) * (block_m == 16 && mma_tag != Arch::kSm70 && mma_tag != Arch::kSm75 ? 2 : 1);
+  const int64_t slots = int64_t(sm_count) * (block_m == 16 && arch != Arch::kSm70 && arch != Arch::kSm75 ? 2 : 1);
   int splits = 1;
   if (2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)
     splits = std::max(1, std::min<int>(int(slots / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));

@@ -126,12 +126,15 @@ __device__ __forceinline__ int kv_limit(const AttentionParams& p, const Work& w,
 
 // Online softmax in the log2 domain: the running max moves only when a tile beats it by more than
 // kRescaleLog2, so P stays below 2^kRescaleLog2 (exact in fp32 sums and in 16-bit P) and most tiles
-// skip rescaling O. rescale_factor: what O and the row sum are multiplied by when it moves.
+// skip rescaling O. rescale_factor: what O and the row sum are multiplied by when it moves
+// (kFlushDenormals: by arch::exp2_ftz, as the caller's probabilities are).
 __device__ __forceinline__ float raised_max(float running, float tile_max) {
   return tile_max > running + kRescaleLog2 ? tile_max : running;
 }
+template <bool kFlushDenormals = false>
 __device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
-  return new_max == old_max ? 1.f : exp2f(old_max - new_max);
+  if (new_max == old_max) return 1.f;
+  return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);
 }
 
 // The CTA's query row r (nullptr past the sequence's last row, rows_here).

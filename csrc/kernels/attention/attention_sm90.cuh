@@ -80,7 +80,9 @@ __device__ __forceinline__ int tiles_of(const Work& w) {
 // The block of each TMA box (min(64, block_size) rows) of the tile starting at kv position
 // `first`, `num_blocks` (past the map's end: TMA reads zeros) for boxes outside the table. Loaded
 // a tile ahead, so that the copy thread does not wait on the block table before each copy;
-// positions past the sequence's end are checked when a box is issued.
+// positions past the sequence's end are checked when a box is issued. (PagedTableRows::block_base
+// does the same lookup for a row address; sharing one helper changed the code generated for the
+// measured kernels' main loops, so the id is looked up here.)
 constexpr int kMaxBoxes = kTokens / 16;  // TMA tiles need blocks of >= 16 rows
 __device__ __forceinline__ void tile_blocks(const PagedTableRows& rows, int b, int first, int (&blocks)[kMaxBoxes]) {
   const int block_size = rows.cache.block_size, box_rows = min(kTokens, block_size);
@@ -269,7 +271,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     };
     // Moves row hh's running max to m; returns the factor O must be rescaled by (the sum already is).
     auto move_max = [&](int hh, float m) {
-      const float alpha = m == row_max[hh] ? 1.f : arch::exp2_ftz(row_max[hh] - m);
+      const float alpha = rescale_factor<true>(row_max[hh], m);
       row_max[hh] = m;
       row_sum[hh] *= alpha;
       return alpha;
