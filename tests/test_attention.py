@@ -20,7 +20,7 @@ LSE_TOL = 1e-3
 
 def archs_for(dtype):
     """The GPU's best variant (None) and every older one that runs here: on Hopper None takes the
-    wgmma kernel for big CTAs, so sm80 keeps the mma.sync kernel covered."""
+    wgmma kernel, so sm80 keeps the mma.sync kernel covered."""
     older = ["sm80"] if torch.cuda.get_device_capability()[0] >= 9 else []
     return [None] + older + ([] if dtype == torch.bfloat16 else ["sm75", "sm70"])
 

@@ -766,7 +766,8 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     ids outside the cache, negative positions) untouched and fills only the first N rows of an ``out``
     shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and
     fp32 run on every arch tag (``arch`` forces "sm70", "sm75" or "sm80" for testing; "sm90" runs the
-    sm80 kernel). CPU tensors run the reference, which always validates. Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
+    sm80 kernel). CPU tensors run the reference, which always validates.
+    Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_kv_lens.shape[0] < 2:

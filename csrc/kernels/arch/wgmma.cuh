@@ -72,8 +72,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Hopper's pipeline primitives beyond wgmma: mbarriers that cp.async and TMA copies complete, and named
-// barriers through which the two warpgroups hand each other work (ids 1.., 0 is __syncthreads).
+// Hopper's pipeline primitives beyond wgmma: mbarriers that cp.async and TMA copies complete,
+// named barriers through which the warpgroups hand each other work (ids 1.., 0 is __syncthreads),
+// and the register moves between warpgroups.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
 #if MLA_KV_HAS_WGMMA
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
