@@ -21,15 +21,19 @@ TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (64, 4096, 128), 
 
 
 def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
-    """A decode call over random data (page 64, shuffled blocks) with its schedule and workspace."""
+    """A decode call over random data (page 64, shuffled blocks) with its schedule and workspace.
+    Successive calls read different caches (as bench_decode's replays do), so that no call finds
+    its cache in L2."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks = ctx // 64
-    cache = torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen)
+    sets = common.variants_for(batch * ctx * 576 * dtype.itemsize, cap=8)
+    caches = [torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, ctx, dtype, gen)
-    call = lambda: mla_kv.decode(q, cache, table, lens, 1 / math.sqrt(192), out=out, lse=lse,  # noqa: E731
-                                 workspace=workspace, schedule=schedule)
+    calls = iter(range(1 << 62))
+    call = lambda: mla_kv.decode(q, caches[next(calls) % sets], table, lens, 1 / math.sqrt(192),  # noqa: E731
+                                 out=out, lse=lse, workspace=workspace, schedule=schedule)
     return call, schedule
 
 

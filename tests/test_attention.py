@@ -152,7 +152,9 @@ def test_decode_ignores_nan_past_sequence_ends(dtype, block_size):
 def test_decode_forced_splits_match_reference():
     gen = torch.Generator(device="cuda").manual_seed(5)
     lens = [0, 5, 100, 333, 1024]  # random_table gives 17 blocks of 64 = 1088 positions per sequence
-    for splits, tokens in [(2, 544), (8, 136), (33, 33)]:  # splits that end inside 32-token tiles too
+    # Splits that end inside 32-token tiles too; (2, 576): whole 64-token tiles (TMA loads on
+    # Hopper) in a two-way split whose second split is empty for every sequence but the last.
+    for splits, tokens in [(2, 544), (2, 576), (8, 136), (33, 33)]:
         bytes_needed = mla_kv.ops._C.attention_workspace_size(len(lens) * 3, 20, splits)
         schedule = mla_kv.AttentionSchedule(splits, tokens, bytes_needed)
         out, lse, ref_out, ref_lse = run_decode_case(lens, 20, 3, 64, torch.float16, gen, schedule=schedule)
