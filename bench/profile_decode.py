@@ -4,6 +4,7 @@
   python bench/profile_decode.py --times            per-kernel GPU times (attention, combine) of
                                                     the decode cases RESULTS.md quotes, via torch.profiler
 """
+import itertools
 import math
 import os
 import sys
@@ -31,8 +32,8 @@ def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
     table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, ctx, dtype, gen)
-    calls = iter(range(1 << 62))
-    call = lambda: mla_kv.decode(q, caches[next(calls) % sets], table, lens, 1 / math.sqrt(192),  # noqa: E731
+    rotation = itertools.cycle(caches)
+    call = lambda: mla_kv.decode(q, next(rotation), table, lens, 1 / math.sqrt(192),  # noqa: E731
                                  out=out, lse=lse, workspace=workspace, schedule=schedule)
     return call, schedule
 
