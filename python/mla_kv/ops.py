@@ -432,7 +432,10 @@ def _schedule_cover(blocks, max_kv, validate, have, size) -> int:
 
 
 def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_tokens, heads):
-    """Checks a (possibly hand-made) schedule against the launch, then returns the workspace address."""
+    """Checks a (possibly hand-made) schedule against the launch, then returns the workspace tensor
+    (None when the schedule does not split the KV). One allocated here must stay referenced by the
+    caller until the launch is queued: torch then reuses its memory only in the stream's order, after
+    the kernels that use it (the caching allocator), or frees it with a synchronizing cudaFree."""
     if not isinstance(schedule, AttentionSchedule):
         raise ValueError(f"schedule: expected an AttentionSchedule (mla_kv.attention_schedule), got {schedule!r}")
     splits, tokens = schedule.num_splits, schedule.tokens_per_split
@@ -446,7 +449,7 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
     if schedule.workspace_bytes < need:
         raise ValueError(f"schedule: workspace_bytes {schedule.workspace_bytes} < the {need} this launch needs")
     if schedule.workspace_bytes == 0:
-        return 0
+        return None
     if workspace is None:  # a CUDA graph should pass one sized by attention_schedule()
         workspace = torch.empty(schedule.workspace_bytes, dtype=torch.uint8, device=device)
     _tensor("workspace", workspace, dims=1, contiguous=True)
@@ -455,7 +458,7 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
                          f"{workspace.numel() * workspace.element_size()} on {workspace.device}")
     if workspace.data_ptr() % 16:
         raise ValueError("workspace: must be 16-byte aligned")
-    return workspace.data_ptr()
+    return workspace
 
 
 def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, causal, scale, schedule,
@@ -588,12 +591,13 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
               else block_table.shape[1] * kv_cache.shape[1])
     if schedule is None:
         schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch)
+    ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
+                    total_tokens=batch * s_q, heads=heads)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=_workspace(workspace, schedule, device,
-                                                        max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
-                                                        total_tokens=batch * s_q, heads=heads))
+                               workspace_ptr=0 if ws is None else ws.data_ptr())
     _launch_attention(q, params, kv_cache, block_table, arch)
+    del ws  # released only now, after the launch is queued (see _workspace)
     return out, lse
 
 
@@ -646,12 +650,13 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     if schedule is None:
         schedule = attention_schedule(batch, max(1, -(-tokens // batch)), heads, max_kv, total_q_tokens=tokens,
                                       device=device, arch=arch)
+    ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
+                    total_tokens=tokens, heads=heads)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=_workspace(workspace, schedule, device,
-                                                        max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
-                                                        total_tokens=tokens, heads=heads))
+                               workspace_ptr=0 if ws is None else ws.data_ptr())
     _launch_attention(q, params, kv_cache, block_table, arch)
+    del ws  # released only now, after the launch is queued (see _workspace)
     return out, lse
 
 

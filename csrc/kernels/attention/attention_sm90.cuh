@@ -46,7 +46,21 @@ constexpr int kChunkBytes = 64 * arch::kSwizzleRowBytes;  // one chunk of 64 row
 constexpr int kTileBytes = kChunks * kChunkBytes;          // 64 rows x 576 (Q or one tile)
 constexpr int kRowsPerWarp = kTokens / 4;                  // tile rows a warp of a warpgroup copies
 constexpr int kOutCols = kLatentDim / 2;                   // output columns per warpgroup
-constexpr int kProbs0Ready = 1, kProbs1Ready = 2, kScores0Done = 3;  // named barriers
+// Named barriers (id, threads). Each shared-memory handoff between the two math warpgroups is ordered
+// by one of them; bar.arrive orders the arriving threads' earlier shared-memory accesses before the
+// waiting threads' later ones, as bar.sync does (PTX ISA, "bar, barrier"):
+//   max_s[0]  written by warpgroup 0 (publish_max(0)) before arrive(kProbs0Ready, 256), read by
+//             warpgroup 1 (adopt_max(0)) after sync(kProbs0Ready, 256); warpgroup 0 writes it again
+//             (next pair) only after sync(kProbs1Ready, 256), which warpgroup 1 arrives at after its read.
+//   max_s[1]  written by warpgroup 1 (publish_max(1)) before arrive(kProbs1Ready, 256), read by
+//             warpgroup 0 (adopt_max(1)) after sync(kProbs1Ready, 256); warpgroup 1 writes it again
+//             only after sync(kScores0Done, 256) of the next pair, which warpgroup 0 arrives at after
+//             its read.
+//   sum_s     both warpgroups write their half, then sync(kMathSync, 256), then read both halves.
+// compute-sanitizer's racecheck reports these pairs as hazards (scripts/sanitize-allow.txt says
+// where); the score-jump tests (a running max that moves in the second tile of a pair, so a stale or
+// early-read max_s gives a wrong rescale) are what catches a broken handoff.
+constexpr int kProbs0Ready = 1, kProbs1Ready = 2, kScores0Done = 3;
 constexpr int kMathSync = 4, kTailZeroed = 5;  // (kTailZeroed + warpgroup: one per warpgroup)
 
 // TMA variant (paged caches whose tiles are whole boxes of a tensor map): a third warpgroup, of
