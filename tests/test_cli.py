@@ -132,19 +132,54 @@ BAD_ARGUMENTS = [
 ]
 
 
-def assert_usage_error(args, capsys):
-    """The CLI's contract for bad arguments: exit 2, nothing on stdout, one error line on stderr."""
+def assert_usage_error(args, capsys) -> str:
+    """The CLI's contract for bad arguments: exit 2, nothing on stdout, one error line on stderr
+    (returned)."""
     with pytest.raises(SystemExit) as exit_info:
         cli.main(args)
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1 and "error:" in captured.err
+    return captured.err
 
 
 @pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=lambda a: " ".join(a) or "no-command")
 def test_bad_arguments_one_line_exit_2(args, capsys):
     assert_usage_error(args, capsys)
+
+
+PLAN = ["plan", "--model", "glm-4.7-flash"]
+DEMO = ["demo", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("args, option", [
+    (PLAN + ["--gpu-mem-gib", "1e300", "--weights-gb", "1"], "--gpu-mem-gib"),      # was an OverflowError
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1e300"], "--weights-gb"),      # named "weight_bytes"
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--reserved-gib", "1e300"], "--reserved-gib"),
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--tp", "3"], "--tp"),     # named "tp"
+    (DEMO + ["--gpu-mem-gib", "1e300", "--weights-gb", "1"], "--gpu-mem-gib"),
+    (DEMO + ["--gpu-mem-gib", "32", "--weights-gb", "1e300"], "--weights-gb"),
+    (DEMO + ["--seed", "9" * 30], "--seed"),                                         # torch's overflow
+    (DEMO + ["--heads", "21"], "--heads"),                                           # glm-4.7-flash has 20
+    (DEMO + ["--block-size", "300000"], "--block-size"),                             # > its max context
+], ids=lambda a: " ".join(a) if isinstance(a, list) else a)
+def test_bad_numeric_option_exit_2_naming_it(args, option, capsys):
+    assert option in assert_usage_error(args, capsys)
+
+
+@pytest.mark.parametrize("command", [["plan", "--gpu-mem-gib", "32", "--weights-gb", "1"], DEMO], ids=["plan", "demo"])
+@pytest.mark.parametrize("content, says", [
+    (json.dumps({"model_type": "glm4_moe_lite", "num_hidden_layers": 0, "num_attention_heads": 20,
+                 "max_position_embeddings": 4096, "kv_lora_rank": 512, "qk_rope_head_dim": 64}).encode(),
+     "num_hidden_layers"),                                                           # was a ZeroDivisionError
+    (b'{"model_type": "\xff"}', "UTF-8"),                                             # was a bare codec error
+], ids=["0 layers", "not UTF-8"])
+def test_bad_config_exit_2_naming_the_file(tmp_path, capsys, command, content, says):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    err = assert_usage_error(command + ["--model", str(tmp_path)], capsys)
+    assert str(path) in err and says in err
 
 
 def test_bad_config_file_exit_2(tmp_path, capsys):

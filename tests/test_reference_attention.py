@@ -227,8 +227,8 @@ def test_prefill_rejects_bad_input():
     cache = torch.randn(8, 8, ROW)
     q = torch.randn(6, 3, ROW)
     kv = torch.tensor([9, 20], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_q_lens"):
-        prefill(q, cache, table, torch.tensor([0, 4, 5], dtype=torch.int32), kv, 0.1)
+    with pytest.raises(ValueError, match="cu_q_lens"):  # ends past q's 6 tokens (ending before is padding)
+        prefill(q, cache, table, torch.tensor([0, 4, 7], dtype=torch.int32), kv, 0.1)
     with pytest.raises(ValueError, match="cu_q_lens"):
         prefill(q, cache, table, torch.tensor([0, 4, 2, 6], dtype=torch.int32), kv, 0.1)
     with pytest.raises(ValueError, match="kv_lens"):

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from . import __version__, demo, planner
 from .planner import GB, GiB
@@ -28,6 +29,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# Bounds of the memory options: far above any GPU or model, and they keep byte counts finite (and
+# exact) in floating point, which --gpu-mem-gib 1e300 (x 2^30 = inf) would not.
+_MAX_GIB = 2 ** 20   # 1 PiB
+_MAX_GB = 10 ** 6    # 1 PB
+
+
+def _bound(x: float) -> str:
+    return f"{int(x):,}" if x == int(x) else f"{x:g}"
+
+
 def _number(minimum: float, *, inclusive: bool, maximum: float = math.inf):
     """An argparse type: a finite float above (or at, if inclusive) minimum and at most maximum."""
     def parse(text: str) -> float:
@@ -37,22 +48,31 @@ def _number(minimum: float, *, inclusive: bool, maximum: float = math.inf):
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         low_ok = value >= minimum if inclusive else value > minimum
         if not (math.isfinite(value) and low_ok and value <= maximum):
-            bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+            bound = f"{'>=' if inclusive else '>'} {_bound(minimum)}"
             if maximum != math.inf:
-                bound += f" and <= {maximum:g}"
+                bound += f" and <= {_bound(maximum)}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
     return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+def _integer(minimum: int, maximum: Optional[int] = None):
+    """An argparse type: an int in [minimum, maximum]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
+
+
+_positive_int = _integer(1)
+# torch.Generator.manual_seed takes [-2^63, 2^64 - 1]; the demo seeds with seed and seed + 1
+_seed = _integer(-2 ** 63, 2 ** 64 - 2)
 
 
 def _build_parser() -> _Parser:
@@ -67,14 +87,14 @@ def _build_parser() -> _Parser:
                    help=f"a preset ({', '.join(planner.MODELS)}) or a local HF config.json / its directory")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="GPU preset (nominal memory)")
-    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False), metavar="GIB",
+    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False, maximum=_MAX_GIB), metavar="GIB",
                      help="GPU memory in GiB (default: the current CUDA GPU)")
-    p.add_argument("--weights-gb", type=_number(0, inclusive=True), required=True, metavar="GB",
+    p.add_argument("--weights-gb", type=_number(0, inclusive=True, maximum=_MAX_GB), required=True, metavar="GB",
                    help="model weight size in GB (10^9 B), whole model; each GPU holds weights / tp")
     p.add_argument("--ratio", type=_number(0, inclusive=False, maximum=1), default=planner.DEFAULT_RATIO,
                    help="fraction of FREE memory (after weights and reserved) given to the cache "
                         "(TurboMind cache_max_entry_count; default %(default)s)")
-    p.add_argument("--reserved-gib", type=_number(0, inclusive=True),
+    p.add_argument("--reserved-gib", type=_number(0, inclusive=True, maximum=_MAX_GIB),
                    default=planner.DEFAULT_RESERVED_BYTES / GiB, metavar="GIB",
                    help="runtime memory taken before the cache is sized: CUDA context, workspaces, "
                         "activations (default %(default)g)")
@@ -108,18 +128,18 @@ def _build_parser() -> _Parser:
                         "HF runs in fp32 on the same weights, rounded to this dtype")
     p.add_argument("--layers", type=_positive_int, default=2, help="attention layers (default %(default)s)")
     p.add_argument("--heads", type=_positive_int,
-                   help="override the model's attention heads (random weights only), for faster CPU runs")
+                   help="run fewer attention heads than the model has (random weights only), for faster CPU runs")
     p.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens (default %(default)s)")
     p.add_argument("--decode-steps", type=_positive_int, default=4,
                    help="single-token decode steps after the prompt (default %(default)s)")
     p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,
                    help="cache block size, also used by the plan (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the weights and inputs (default %(default)s)")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="plan the cache for this GPU preset")
-    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False), metavar="GIB",
+    gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False, maximum=_MAX_GIB), metavar="GIB",
                      help="plan the cache for a GPU of this memory (default: the current CUDA GPU)")
-    p.add_argument("--weights-gb", type=_number(0, inclusive=True), metavar="GB",
+    p.add_argument("--weights-gb", type=_number(0, inclusive=True, maximum=_MAX_GB), metavar="GB",
                    help="model weight size in GB for the plan (default: a checkpoint's .safetensors, else 0)")
     p.set_defaults(run=_demo, parser=p)
 
@@ -146,6 +166,13 @@ def _gpu_memory(args) -> tuple:
     return found
 
 
+def _as_option(message: str) -> str:
+    """A planner message naming the option: "tp: 3 does not divide ..." -> "--tp: 3 ...". The options'
+    argparse types bound every other plan parameter; a --tp that does not divide the model's heads is
+    what is left for the planner to refuse."""
+    return "--" + message if message.startswith("tp: ") else message
+
+
 def _plan_kwargs(args) -> dict:
     return dict(ratio=args.ratio, reserved_bytes=args.reserved_gib * GiB, block_size=args.block_size,
                 cache_dtype=args.dtype, tp=args.tp, cp=args.cp, count_mtp_layers=args.mtp)
@@ -164,7 +191,7 @@ def _plan(args) -> int:
         gpu_label, gpu_bytes = _gpu_memory(args)
         result = planner.plan(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
     except (ValueError, TypeError) as e:
-        args.parser.error(str(e))
+        args.parser.error(_as_option(str(e)))
 
     if args.json:
         print(json.dumps(dict(result.to_dict(), gpu=gpu_label), indent=2))
@@ -326,6 +353,11 @@ def _demo(args) -> int:
                           f"{spec.name}'s max context {spec.model.max_context:,}")
     if args.heads is not None and spec.checkpoint is not None:
         args.parser.error(f"--heads: {spec.name}'s weights fix the heads; the override is for random weights")
+    if args.block_size > spec.model.max_context:  # its blocks are allocated whole
+        args.parser.error(f"--block-size {args.block_size}: exceeds {spec.name}'s max context "
+                          f"{spec.model.max_context:,}")
+    if args.heads is not None and args.heads > spec.model.num_heads:  # it makes runs faster, never larger
+        args.parser.error(f"--heads {args.heads}: {spec.name} has {spec.model.num_heads} attention heads")
     device, note = _demo_device(args)
     dtype_name = _demo_dtype(args, device)
     try:

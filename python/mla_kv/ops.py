@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from . import reference
+from ._checks import integer, real
 from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
 
 try:  # the compiled kernels are absent in a reference-only install
@@ -126,14 +127,14 @@ def _check_paged_cache(kv_cache) -> None:
     _size("kv_cache", kv_cache, 2, ROW_DIM)
 
 
-def _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, num_tokens, rope_style, q, dtype):
+def _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, num_tokens, rope_style, q, dtype) -> float:
+    """Checks the fused write's inputs; returns eps as a float."""
     _tensor("kv_a", kv_a, dims=2, dtype=dtype, last_contiguous=True)
     _size("kv_a", kv_a, 1, ROW_DIM)
     _size("kv_a", kv_a, 0, num_tokens, at_least=True)
     _tensor("rms_weight", rms_weight, dims=1, dtype=dtype, contiguous=True)
     _size("rms_weight", rms_weight, 0, LATENT_DIM)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps: must be a float >= 0, got {eps!r}")
+    eps = real("eps", eps, at_least=0)
     _tensor("positions", positions, dims=1, dtype=torch.int64, contiguous=True)
     _size("positions", positions, 0, num_tokens, at_least=True)
     _tensor("cos_sin_cache", cos_sin_cache, dims=2, dtypes=(torch.float32, dtype), contiguous=True)
@@ -144,6 +145,7 @@ def _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, num_tokens, ro
         _tensor("q", q, dims=3, dtype=dtype, last_contiguous=True)
         _size("q", q, 0, num_tokens, at_least=True)
         _size("q", q, 2, ROPE_DIM, at_least=True)
+    return eps
 
 
 def _validate_positions(positions, num_tokens, cos_sin_cache) -> None:
@@ -233,7 +235,8 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
     """RMSNorm + RoPE + paged cache write of the kv_a projection output in one launch, in place.
 
     kv_a [>=T, 576] = raw kv_a_proj_with_mqa output [c_kv | k_pe] (any row stride, e.g. a column
-    slice of a fused projection); rms_weight [512] (kv_a's dtype); eps; positions int64 [>=T];
+    slice of a fused projection); rms_weight [512] (kv_a's dtype); eps >= 0 (a number as decode's
+    softmax_scale); positions int64 [>=T];
     cos_sin_cache [max_position, 64] (float32 or kv_a's dtype, from mla_kv.rope.cos_sin_cache);
     kv_cache / slot_mapping as in write_kv. q [>=T, H, D] (optional, any strides, last dim
     contiguous): its last 64 values per head are rotated in place. Tokens whose position is outside
@@ -243,7 +246,7 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
     _check_paged_cache(kv_cache)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     t = slot_mapping.shape[0]
-    _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, t, rope_style, q, kv_cache.dtype)
+    eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, t, rope_style, q, kv_cache.dtype)
     _same_device(kv_cache=kv_cache, kv_a=kv_a, rms_weight=rms_weight, positions=positions,
                  cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping, q=q)
     fused = (rms_weight, eps, positions, cos_sin_cache, rope_style, q)
@@ -349,8 +352,8 @@ def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: flo
     """fused_write_kv over TurboMind-style block pointers; addressing as in write_kv_blocks."""
     _tensor("kv_a", kv_a, dims=2, last_contiguous=True)
     _check_blocks(cache, cu_q_lens, history_lens, kv_a.dtype)
-    _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
-                 cache.dtype)
+    eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
+                       cache.dtype)
     _same_device(kv_a=kv_a, rms_weight=rms_weight, positions=positions, cos_sin_cache=cos_sin_cache, q=q)
     fused = (rms_weight, eps, positions, cos_sin_cache, rope_style, q)
     _write_blocks(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], cache, cu_q_lens, history_lens, fused,
@@ -373,22 +376,41 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _schedule_device(device) -> torch.device:
+    """The CUDA device, with its index, that a schedule is made for (None: the current one)."""
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: not a torch device: {device!r}") from None
+        if device.type != "cuda":
+            raise ValueError(f"device: a schedule plans CUDA kernel launches, got {device} (CPU tensors run the "
+                             "reference, which takes no schedule)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device: a schedule plans CUDA kernel launches, and torch sees no CUDA device here "
+                           "(CPU tensors run the reference, which takes no schedule)")
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: cuda:{index} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return torch.device("cuda", index)
+
+
 def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
                        total_q_tokens: Optional[int] = None, device=None,
                        arch: Optional[str] = None) -> AttentionSchedule:
     """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
 
     max_kv_len bounds every sequence's kv length (decode uses block_table width x block_size);
-    total_q_tokens is batch * q_len for decode and T for prefill.
+    total_q_tokens is batch * q_len for decode and T for prefill. A schedule plans kernel launches, so
+    it needs a CUDA device (CPU tensors run the reference, which takes none).
     """
-    for name, v in (("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len)):
-        if not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}: must be an int >= 0, got {v!r}")
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    batch, q_len, num_heads, max_kv_len = (integer(name, v, 0) for name, v in (
+        ("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len)))
+    total = batch * q_len if total_q_tokens is None else integer("total_q_tokens", total_q_tokens, 0)
+    device = _schedule_device(device)
     tag = _kernel_arch(device, torch.float16, arch)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    s = _C.make_attention_schedule(batch, max(q_len, 1), max(num_heads, 1), max_kv_len, _sm_count(index), tag)
-    total = batch * q_len if total_q_tokens is None else total_q_tokens
+    s = _C.make_attention_schedule(batch, max(q_len, 1), max(num_heads, 1), max_kv_len, _sm_count(device.index),
+                                   tag)
     return AttentionSchedule(s.num_splits, s.tokens_per_split,
                              _C.attention_workspace_size(total, num_heads, s.num_splits))
 
@@ -483,12 +505,6 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     return p
 
 
-def _check_scale(softmax_scale) -> None:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: must be a float > 0 (e.g. mla_kv.rope.mla_softmax_scale), "
-                         f"got {softmax_scale!r}")
-
-
 def _check_lens(name, lens, batch) -> None:
     _tensor(name, lens, dims=1, dtype=torch.int32, contiguous=True)
     _size(name, lens, 0, batch)
@@ -557,7 +573,8 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     kv_cache [num_blocks, block_size, 576] with block_table int32 [B, max_blocks], or a
     layout.BlockPointerCache (then block_table is None); seq_lens int32 [B] = kv length including
     the new tokens, already in the cache. Query i of sequence b sees positions < seq_lens[b] - S_q + i + 1.
-    softmax_scale is required (mla_kv.rope.mla_softmax_scale gives the model's).
+    softmax_scale is required (mla_kv.rope.mla_softmax_scale gives the model's): a finite number > 0, a
+    Python or numpy scalar or a 0-d CPU tensor (not a CUDA one, which would be read with a host sync).
     Returns out [B, S_q, H, 512] (q's dtype) and lse [B, S_q, H] float32 (natural log); a query that
     sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
     attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
@@ -567,7 +584,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     """
     _check_q(q, 4)
     batch, s_q, heads, _ = q.shape
-    _check_scale(softmax_scale)
+    softmax_scale = real("softmax_scale", softmax_scale, above=0)
     _check_lens("seq_lens", seq_lens, batch)
     blocks = isinstance(kv_cache, BlockPointerCache)
     device = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
@@ -608,7 +625,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
             validate: bool = False, arch: Optional[str] = None):
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
-    q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at T: checked with
+    q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at most at T: checked with
     ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
     include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b
     positions: when causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len.
@@ -617,7 +634,9 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     """
     _check_q(q, 3)
     tokens, heads, _ = q.shape
-    _check_scale(softmax_scale)
+    softmax_scale = real("softmax_scale", softmax_scale, above=0)
+    if not isinstance(causal, bool):  # a truthy string or None would silently pick a mask
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_q_lens.shape[0] < 2:
         raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
@@ -632,8 +651,8 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     have = size = None
     if validate:
         cu = cu_q_lens.cpu().long()
-        if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) != tokens:
-            raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at q's {tokens} tokens")
+        if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) > tokens:
+            raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at most at q's {tokens} tokens")
         if blocks:
             have, size = kv_cache.cu_block_nums.diff(), kv_cache.block_seq_len
         else:

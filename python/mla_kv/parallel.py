@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _checks, ops
 from .layout import LATENT_DIM, BlockPointerCache
 
 __all__ = [
@@ -47,17 +47,9 @@ __all__ = [
 ]
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_rank(size_name: str, size, rank) -> None:
-    _check_int(size_name, size, 1)
-    _check_int("rank", rank, 0)
+    _checks.integer(size_name, size, 1)
+    _checks.integer("rank", rank, 0)
     if rank >= size:
         raise ValueError(f"rank: must be < {size_name} ({size}), got {rank}")
 
@@ -93,7 +85,7 @@ def shard_heads(weight: torch.Tensor, num_heads: int, tp: int, rank: int, dim: i
     slices of q_b_proj, kv_b_proj and o_proj of one rank describe the same heads.
     """
     ops._tensor("weight", weight)
-    _check_int("num_heads", num_heads, 1)
+    _checks.integer("num_heads", num_heads, 1)
     _check_rank("tp", tp, rank)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -weight.dim() <= dim < weight.dim():
         raise ValueError(f"dim: must index one of weight's {weight.dim()} dims, got {dim!r}")
@@ -148,7 +140,7 @@ def cp_local_positions(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cp: 
     ops._tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
     ops._size("history_lens", history_lens, 0, batch)
     ops._same_device(cu_q_lens=cu_q_lens, history_lens=history_lens)
-    num_tokens = int(cu_q_lens[-1]) if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
+    num_tokens = int(cu_q_lens[-1]) if num_tokens is None else _checks.integer("num_tokens", num_tokens, 0)
     seq, index = _sequence_of_tokens(cu_q_lens, num_tokens)
     valid = seq < batch
     positions = torch.where(valid, history_lens.long()[seq.clamp_max(batch - 1)] + index, 0)
@@ -167,7 +159,7 @@ def cp_slot_mapping(tokens: CpTokens, block_table: torch.Tensor, block_size: int
         raise TypeError(f"tokens: expected mla_kv.parallel.CpTokens, got {type(tokens).__name__}")
     ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
     ops._size("block_table", block_table, 1, 1, at_least=True)
-    _check_int("block_size", block_size, 1)
+    _checks.integer("block_size", block_size, 1)
     ops._same_device(block_table=block_table, positions=tokens.local_positions)
     rows, width = block_table.shape
     block_index = tokens.local_positions // block_size

@@ -43,13 +43,13 @@ buffers were that much larger than the 2 GiB reserved here.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ._checks import integer, real
 from .layout import LATENT_DIM, ROPE_DIM
 
 GiB = 1 << 30
@@ -79,9 +79,13 @@ class MlaModel:
 
     attention = "mla"
 
+    def __post_init__(self) -> None:
+        _check_sizes(self, num_layers=1, num_heads=1, max_context=1, kv_lora_rank=1, qk_rope_head_dim=0,
+                     num_mtp_layers=0)
+
     def bytes_per_token_per_layer(self, element_size: int, tp: int) -> Dict[str, int]:
         if self.num_heads % tp:
-            raise ValueError(f"tp={tp} does not divide {self.name}'s {self.num_heads} attention heads")
+            raise ValueError(f"tp: {tp} does not divide {self.name}'s {self.num_heads} attention heads")
         row = (self.kv_lora_rank + self.qk_rope_head_dim) * element_size
         return {"latent": row, "expanded": self.num_heads // tp * 2 * row}
 
@@ -99,6 +103,9 @@ class GqaModel:
 
     attention = "gqa"
 
+    def __post_init__(self) -> None:
+        _check_sizes(self, num_layers=1, num_kv_heads=1, head_dim=1, max_context=1, num_mtp_layers=0)
+
     def bytes_per_token_per_layer(self, element_size: int, tp: int) -> Dict[str, int]:
         # A rank keeps ceil(kv_heads / tp) heads: KV heads are replicated when tp exceeds them.
         heads_per_rank = -(-self.num_kv_heads // tp)
@@ -106,6 +113,13 @@ class GqaModel:
 
 
 Model = Union[MlaModel, GqaModel]
+
+
+def _check_sizes(model, **minimums) -> None:
+    """A model's size fields are ints of at least these minimums (a 0-layer or 0-head model divides by 0)."""
+    for field, minimum in minimums.items():
+        integer(f"{type(model).__name__}.{field}", getattr(model, field), minimum)
+
 
 # Public HF config.json values (max_position_embeddings, num_nextn_predict_layers included).
 MODELS: Dict[str, Model] = {m.name: m for m in (
@@ -127,37 +141,49 @@ GPU_MEM_GIB: Dict[str, float] = {
 def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
     """A model from an HF config dict: MLA by model_type, else GQA when it has num_key_value_heads.
 
-    Multimodal configs are read through their ``text_config``.
+    Multimodal configs are read through their ``text_config``. Every size read must be an integer
+    (layer and head counts >= 1), else a ValueError/TypeError names ``name`` and the key.
     """
+    if not isinstance(config, dict):
+        raise TypeError(f"{name}: expected a dict (a JSON object), got {type(config).__name__}")
     cfg = config.get("text_config") or config
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{name}: 'text_config' must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type", config.get("model_type"))
 
-    def need(key):
+    def need(key, minimum=1):
         if cfg.get(key) is None:
             raise ValueError(f"{name}: missing {key!r} (model_type {model_type!r})")
-        return int(cfg[key])
+        return integer(f"{name}: {key!r}", cfg[key], minimum)
 
+    def optional(key, default):
+        return default if cfg.get(key) is None else integer(f"{name}: {key!r}", cfg[key], 0)
+
+    mtp_layers = optional("num_nextn_predict_layers", 0)
     if model_type in MLA_MODEL_TYPES:
         return MlaModel(name, num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
                         max_context=need("max_position_embeddings"), kv_lora_rank=need("kv_lora_rank"),
-                        qk_rope_head_dim=need("qk_rope_head_dim"),
-                        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+                        qk_rope_head_dim=need("qk_rope_head_dim", 0), num_mtp_layers=mtp_layers)
     if cfg.get("num_key_value_heads") is not None:
-        head_dim = cfg.get("head_dim") or need("hidden_size") // need("num_attention_heads")
+        head_dim = optional("head_dim", 0) or need("hidden_size") // need("num_attention_heads")
         return GqaModel(name, num_layers=need("num_hidden_layers"), num_kv_heads=need("num_key_value_heads"),
-                        head_dim=int(head_dim), max_context=need("max_position_embeddings"),
-                        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+                        head_dim=head_dim, max_context=need("max_position_embeddings"), num_mtp_layers=mtp_layers)
     raise ValueError(f"{name}: model_type {model_type!r} is not MLA ({', '.join(MLA_MODEL_TYPES)}) "
                      "and has no num_key_value_heads")
 
 
 def load_model(name_or_path: str) -> Model:
     """A preset by name (see MODELS), or a local HF config.json (the file or its directory)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path: expected a preset name or a path, got {type(name_or_path).__name__}")
+    name_or_path = os.fspath(name_or_path)
     if name_or_path in MODELS:
         return MODELS[name_or_path]
     path = name_or_path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model config {path}: not found (a model directory holds its config.json)")
     if not os.path.isfile(path):
         if os.sep in name_or_path or name_or_path.endswith(".json"):
             raise ValueError(f"model config {name_or_path}: no such file or directory")
@@ -168,6 +194,10 @@ def load_model(name_or_path: str) -> Model:
             config = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"model config {path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"model config {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:  # e.g. no read permission
+        raise ValueError(f"model config {path}: cannot be read ({e.strerror})") from None
     if not isinstance(config, dict):
         raise ValueError(f"model config {path}: expected a JSON object")
     return model_from_hf_config(config, name=path)
@@ -175,7 +205,7 @@ def load_model(name_or_path: str) -> Model:
 
 def gpu_mem_bytes(preset: str) -> int:
     """Nominal memory of a GPU preset (see GPU_MEM_GIB) in bytes."""
-    if preset not in GPU_MEM_GIB:
+    if not isinstance(preset, str) or preset not in GPU_MEM_GIB:
         raise ValueError(f"gpu {preset!r} is not a preset ({', '.join(GPU_MEM_GIB)})")
     return int(GPU_MEM_GIB[preset] * GiB)
 
@@ -228,46 +258,28 @@ class MemoryPlan:
         return out
 
 
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_bytes(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of bytes, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return int(value)
-
-
 def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
          reserved_bytes: float = DEFAULT_RESERVED_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
          cache_dtype: str = "fp16", tp: int = 1, cp: int = 1, count_mtp_layers: bool = False) -> MemoryPlan:
     """Plans the KV cache of ``model`` on GPUs of ``gpu_mem_bytes`` each (see the module docstring).
 
     weight_bytes is the whole model's (each GPU holds weight_bytes / tp). When weights and reserved
-    bytes exceed the GPU, free memory is 0 and no token fits.
+    bytes exceed the GPU, free memory is 0 and no token fits. Byte counts and ratio are finite real
+    numbers (Python or numpy), sizes ints; an error names the parameter.
     """
     if not isinstance(model, (MlaModel, GqaModel)):
-        raise TypeError(f"model must be an MlaModel or GqaModel, got {type(model).__name__}")
-    gpu = _check_bytes(gpu_mem_bytes, "gpu_mem_bytes")
-    if gpu == 0:
-        raise ValueError("gpu_mem_bytes must be > 0")
-    weights = _check_bytes(weight_bytes, "weight_bytes")
-    reserved = _check_bytes(reserved_bytes, "reserved_bytes")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a number, got {type(ratio).__name__}")
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio must be a fraction of free memory in (0, 1], got {ratio!r}")
-    _check_int(block_size, "block_size", 1)
-    _check_int(tp, "tp", 1)
-    _check_int(cp, "cp", 1)
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+        raise TypeError(f"model: expected an MlaModel or GqaModel, got {type(model).__name__}")
+    gpu = int(real("gpu_mem_bytes", gpu_mem_bytes, above=0))
+    weights = int(real("weight_bytes", weight_bytes, at_least=0))
+    reserved = int(real("reserved_bytes", reserved_bytes, at_least=0))
+    ratio = real("ratio", ratio, above=0, at_most=1)  # a fraction of free memory
+    block_size = integer("block_size", block_size, 1)
+    tp = integer("tp", tp, 1)
+    cp = integer("cp", cp, 1)
+    if not isinstance(cache_dtype, str) or cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+    if not isinstance(count_mtp_layers, bool):
+        raise TypeError(f"count_mtp_layers: expected a bool, got {type(count_mtp_layers).__name__}")
 
     per_layer = model.bytes_per_token_per_layer(CACHE_DTYPES[cache_dtype].itemsize, tp)
     layers = model.num_layers + (model.num_mtp_layers if count_mtp_layers else 0)
@@ -287,5 +299,5 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
             max_tokens=max_tokens, session_len=min(max_tokens, model.max_context),
             truncated=max_tokens < model.max_context)
     return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
-                      reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=float(ratio),
+                      reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=ratio,
                       block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts)

@@ -57,15 +57,19 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Writes rows [kv_c | k_pe] into the paged cache in place (vLLM's concat_and_cache_mla).
 
-    kv_c [>=T, 512], k_pe [>=T, 64]; kv_cache [num_blocks, block_size, 576];
+    kv_c [>=T, 512], k_pe [>=T, 64]; kv_cache [num_blocks, block_size, 576] (any strides);
     slot_mapping int64 [T]: token t goes to block slot // block_size, offset slot % block_size.
     Negative slots are padded tokens and are skipped, as are slots past the cache's capacity (the
     kernels never write outside the cache); only the first T input rows are read.
     """
     t = slot_mapping.shape[0]
-    keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * kv_cache.shape[1])
+    block_size = kv_cache.shape[1]
+    keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * block_size)
     rows = torch.cat([kv_c[:t], k_pe[:t]], dim=-1).to(kv_cache.dtype)
-    kv_cache.view(-1, ROW_DIM)[slot_mapping[keep]] = rows[keep]
+    # Indexed by (block, offset), not through a flat view: the cache may be strided, e.g. one layer of
+    # a layout.BlockPool, whose blocks are not adjacent in memory.
+    slots = slot_mapping[keep]
+    kv_cache[slots // block_size, slots % block_size] = rows[keep]
 
 
 def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,

@@ -16,11 +16,11 @@ These functions are written for clarity, run on any device, and move index tenso
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Tuple
 
 import torch
 
+from ._checks import real
 from .layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots, to_latent_first
 
 __all__ = [
@@ -45,14 +45,6 @@ def _check_index(name: str, t, dims: int) -> torch.Tensor:
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer dtype, got {t.dtype}")
     return t.detach().cpu().long()
-
-
-def _check_scale(softmax_scale) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale: expected a real number, got {type(softmax_scale).__name__}")
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: must be positive, got {softmax_scale}")
-    return float(softmax_scale)
 
 
 def _check_lengths(name: str, lens: torch.Tensor, batch: int) -> None:
@@ -84,8 +76,10 @@ def _check_table(block_table: torch.Tensor, lens: torch.Tensor, kv_cache: torch.
             raise ValueError(f"block_table: row {b} holds block ids outside [0, {kv_cache.shape[0]})")
 
 
-def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    """Copies ``value`` into the caller's tensor when one is given, else returns it."""
+def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor,
+            rows: Optional[int] = None) -> torch.Tensor:
+    """Copies ``value`` (its first ``rows`` rows, default all) into the caller's tensor when one is
+    given, else returns it."""
     if given is None:
         return value
     if not isinstance(given, torch.Tensor):
@@ -94,7 +88,7 @@ def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor) -> to
         raise ValueError(f"{name}: expected shape {tuple(value.shape)}, got {tuple(given.shape)}")
     if given.dtype != value.dtype:
         raise TypeError(f"{name}: expected dtype {value.dtype}, got {given.dtype}")
-    given.copy_(value)
+    given[:rows].copy_(value[:rows])
     return given
 
 
@@ -118,14 +112,19 @@ def _attend(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
     """
     acc = _acc_dtype(q)
     qf, kf = q.to(acc), rows.to(acc)
+    counts = visible.clamp(0, kf.shape[0]).to(q.device)                      # rows each query sees
+    seen = torch.arange(kf.shape[0], device=q.device)[None, :] < counts[:, None]   # [N, L]
     scores = torch.einsum("nhd,ld->nhl", qf, kf) * softmax_scale
-    key_pos = torch.arange(kf.shape[0], device=q.device)
-    seen = key_pos[None, :] < visible.to(q.device)[:, None]                  # [N, L]
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                    # -inf when nothing is seen
     # exp(-inf - (-inf)) would be NaN; a query with no key keeps all-zero weights instead.
     weights = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
-    out = torch.einsum("nhl,ld->nhd", weights, kf[:, :LATENT_DIM])
+    # Each query sums only the rows it sees: a zero weight times a NaN or Inf row that it cannot see
+    # would still make its output NaN.
+    out = torch.zeros(*weights.shape[:2], LATENT_DIM, dtype=acc, device=q.device)
+    for v in counts.unique().tolist():
+        sel = counts == v
+        out[sel] = torch.einsum("nhl,ld->nhd", weights[sel, :, :v], kf[:v, :LATENT_DIM])
     return out, lse
 
 
@@ -147,7 +146,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
     table = _check_index("block_table", block_table, 2)
     lens = _check_index("seq_lens", seq_lens, 1)
-    scale = _check_scale(softmax_scale)
+    scale = real("softmax_scale", softmax_scale, above=0)
     batch, s_q, heads, _ = q.shape
     _check_lengths("seq_lens", lens, batch)
     _check_table(table, lens, kv_cache, "seq_lens")
@@ -172,17 +171,19 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     sequence's kv length including its new tokens (already in the cache). The q tokens of sequence b
     are its last q_len_b positions: when causal, query i sees kv positions < kv_len - q_len + i + 1,
     otherwise all kv_len positions. A query seeing none gets out 0 and lse -inf.
-    Returns out [T, H, 512] in q's dtype and lse [T, H] float32 (float64 for float64 q).
+    Returns out [T, H, 512] in q's dtype and lse [T, H] float32 (float64 for float64 q). cu_q_lens[B]
+    may be less than T (a CUDA-graph batch padded to a fixed T): the rows past it are left untouched
+    in a given ``out``/``lse`` (returned as 0 and -inf otherwise).
     """
     _check_tensor("q", q, 3, ROW_DIM)
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
     table = _check_index("block_table", block_table, 2)
     cu = _check_index("cu_q_lens", cu_q_lens, 1)
     lens = _check_index("kv_lens", kv_lens, 1)
-    scale = _check_scale(softmax_scale)
+    scale = real("softmax_scale", softmax_scale, above=0)
     _check_cu("cu_q_lens", cu)
-    if int(cu[-1]) != q.shape[0]:
-        raise ValueError(f"cu_q_lens: ends at {int(cu[-1])} but q has {q.shape[0]} tokens")
+    if int(cu[-1]) > q.shape[0]:
+        raise ValueError(f"cu_q_lens: ends at {int(cu[-1])}, past q's {q.shape[0]} tokens")
     _check_lengths("kv_lens", lens, cu.shape[0] - 1)
     _check_table(table, lens, kv_cache, "kv_lens")
 
@@ -199,7 +200,8 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             visible = torch.full((q_len,), kv_len)
         out_acc[start:end], lse_acc[start:end] = _attend(
             q[start:end], _sequence_rows(kv_cache, slots), visible, scale)
-    return _result("out", out, out_acc.to(q.dtype)), _result("lse", lse, lse_acc)
+    used = int(cu[-1])
+    return _result("out", out, out_acc.to(q.dtype), used), _result("lse", lse, lse_acc, used)
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -13,29 +13,14 @@ The variant is ``scaling["rope_type"]``, else ``scaling["type"]``, else "default
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Optional, Tuple
 
 import torch
 
+from ._checks import integer, real
+
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
-def _positive_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-    return float(value)
 
 
 def rope_type(scaling: Optional[Mapping]) -> str:
@@ -53,7 +38,7 @@ def rope_type(scaling: Optional[Mapping]) -> str:
 def _scaling_value(scaling: Mapping, key: str, kind: str) -> float:
     if scaling.get(key) is None:
         raise ValueError(f"scaling[{key!r}] is required for rope_type {kind!r}")
-    return _positive_float(scaling[key], f"scaling[{key!r}]")
+    return real(f"scaling[{key!r}]", scaling[key], above=0)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -61,13 +46,24 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _resolve_theta(theta: Optional[float], scaling: Optional[Mapping]) -> float:
+def _scaling_option(scaling: Mapping, key: str, default, **bounds):
+    """An optional scaling[key] within ``bounds`` (as for _checks.real); ``default`` when it is absent,
+    None or 0, which HF's ``scaling.get(key) or default`` treats as unset."""
+    value = scaling.get(key)
+    return default if value is None or value == 0 else real(f"scaling[{key!r}]", value, **bounds)
+
+
+def _resolve_theta(theta: Optional[float], scaling: Optional[Mapping], kind: str) -> float:
+    name = "theta"
     if theta is None:
+        name = "scaling['rope_theta']"
         theta = scaling.get("rope_theta") if scaling is not None else None
         if theta is None:
             raise ValueError("theta is required (pass theta or a scaling dict holding 'rope_theta')")
-        return _positive_float(theta, "scaling['rope_theta']")
-    return _positive_float(theta, "theta")
+    theta = real(name, theta, above=0)
+    if kind == "yarn" and theta <= 1:  # its correction dims divide by log(theta), 0 at theta 1
+        raise ValueError(f"{name}: rope_type 'yarn' needs theta > 1, got {theta!r}")
+    return theta
 
 
 def _yarn_frequencies(base_inv_freq: torch.Tensor, rope_dim: int, theta: float,
@@ -77,8 +73,8 @@ def _yarn_frequencies(base_inv_freq: torch.Tensor, rope_dim: int, theta: float,
     # the bounds are HF's/DeepSeek's correction dims, rounded outwards unless truncate is False.
     factor = _scaling_value(scaling, "factor", "yarn")
     original_max = _scaling_value(scaling, "original_max_position_embeddings", "yarn")
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
+    beta_fast = _scaling_option(scaling, "beta_fast", 32, above=0)  # rotations: the log needs them > 0
+    beta_slow = _scaling_option(scaling, "beta_slow", 1, above=0)
 
     def correction_dim(num_rotations: float) -> float:
         return rope_dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -93,11 +89,12 @@ def _yarn_frequencies(base_inv_freq: torch.Tensor, rope_dim: int, theta: float,
     inv_freq = base_inv_freq / factor * ramp + base_inv_freq * (1 - ramp)
 
     if scaling.get("attention_factor") is not None:
-        attention_factor = _positive_float(scaling["attention_factor"], "scaling['attention_factor']")
-    elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        attention_factor = yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
-    else:
-        attention_factor = yarn_mscale(factor)
+        attention_factor = real("scaling['attention_factor']", scaling["attention_factor"], above=0)
+    else:  # mscales > 0 keep yarn_mscale >= 1, a safe divisor
+        mscale = _scaling_option(scaling, "mscale", None, above=0)
+        mscale_all_dim = _scaling_option(scaling, "mscale_all_dim", None, above=0)
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
     return inv_freq, attention_factor
 
 
@@ -129,11 +126,11 @@ def rope_frequencies(rope_dim: int, theta: Optional[float] = None,
     ``attention_factor`` if given, else yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     when both are set and non-zero, else yarn_mscale(factor). Other variants have factor 1.
     """
-    rope_dim = _positive_int(rope_dim, "rope_dim")
+    rope_dim = integer("rope_dim", rope_dim, 1)
     if rope_dim % 2:
         raise ValueError(f"rope_dim must be even, got {rope_dim}")
     kind = rope_type(scaling)
-    theta = _resolve_theta(theta, scaling)
+    theta = _resolve_theta(theta, scaling, kind)
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     if kind == "linear":
         return inv_freq / _scaling_value(scaling, "factor", kind), 1.0
@@ -157,7 +154,7 @@ def cos_sin_cache(rope_dim: int, max_position: int, theta: Optional[float] = Non
     HF's rotary modules return the same values duplicated to the full rope_dim:
     ``cos_hf = cat(cache[p, :half], cache[p, :half])``, ``sin_hf = cat(cache[p, half:], cache[p, half:])``.
     """
-    max_position = _positive_int(max_position, "max_position")
+    max_position = integer("max_position", max_position, 1)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     inv_freq, attention_factor = rope_frequencies(rope_dim, theta, scaling)
@@ -175,11 +172,11 @@ def mla_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int,
     Kimi-K2 with YaRN). Not 1/sqrt(576): the latent width does not enter the scale.
     GLM-4.7-Flash: mla_softmax_scale(192, 64) == 1/16.
     """
-    head_dim = _positive_int(qk_nope_head_dim, "qk_nope_head_dim") + _positive_int(qk_rope_head_dim,
-                                                                                    "qk_rope_head_dim")
+    head_dim = integer("qk_nope_head_dim", qk_nope_head_dim, 1) + integer("qk_rope_head_dim", qk_rope_head_dim, 1)
     scale = head_dim ** -0.5
     kind = rope_type(scaling)
-    if kind != "default" and scaling.get("mscale_all_dim"):
-        mscale = yarn_mscale(_scaling_value(scaling, "factor", kind), scaling["mscale_all_dim"])
+    mscale_all_dim = None if kind == "default" else _scaling_option(scaling, "mscale_all_dim", None, above=0)
+    if mscale_all_dim:
+        mscale = yarn_mscale(_scaling_value(scaling, "factor", kind), mscale_all_dim)
         scale *= mscale * mscale
     return scale

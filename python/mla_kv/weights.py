@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ._checks import integer
 from .layout import LATENT_DIM
 
 __all__ = [
@@ -38,6 +39,19 @@ def _check_matrix(name: str, t, dims: int) -> None:
         raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
 
 
+def _check_product(x_name: str, x, w_name: str, w) -> None:
+    """x [..., H, k] times the per-head weights w [H, *, *]: floating tensors on one device. (An
+    integer x would make the einsum round the weights to integers.)"""
+    _check_matrix(w_name, w, 3)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{x_name}: expected a torch.Tensor, got {type(x).__name__}")
+    for name, t in ((x_name, x), (w_name, w)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"{w_name}: on {w.device}, expected {x.device} like {x_name}")
+
+
 def _fold_dtype(t: torch.Tensor) -> torch.dtype:
     """Folding multiplies two weights; half-precision inputs are multiplied in float32 and rounded once."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -50,6 +64,9 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
     Views of ``weight`` (no copy), in its dtype and device.
     """
     _check_matrix("weight", weight, 2)
+    num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank = (integer(name, v, 1) for name, v in (
+        ("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim),
+        ("kv_lora_rank", kv_lora_rank)))
     rows = num_heads * (qk_nope_head_dim + v_head_dim)
     if tuple(weight.shape) != (rows, kv_lora_rank):
         raise ValueError(f"weight: expected shape ({rows}, {kv_lora_rank}) for {num_heads} heads of "
@@ -60,7 +77,7 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
 
 def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [..., H, nope] -> q_lat [..., H, r] = q_nope[..., h, :] @ w_uk[h], in q_nope's dtype."""
-    _check_matrix("w_uk", w_uk, 3)
+    _check_product("q_nope", q_nope, "w_uk", w_uk)
     if q_nope.dim() < 2 or tuple(q_nope.shape[-2:]) != tuple(w_uk.shape[:2]):
         raise ValueError(f"q_nope: expected shape [..., {w_uk.shape[0]}, {w_uk.shape[1]}] to match "
                          f"w_uk {tuple(w_uk.shape)}, got {tuple(q_nope.shape)}")
@@ -69,7 +86,7 @@ def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 
 def project_out(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [..., H, r] -> [..., H, v] = w_uv[h] @ o_lat[..., h, :], in o_lat's dtype."""
-    _check_matrix("w_uv", w_uv, 3)
+    _check_product("o_lat", o_lat, "w_uv", w_uv)
     if o_lat.dim() < 2 or tuple(o_lat.shape[-2:]) != (w_uv.shape[0], w_uv.shape[2]):
         raise ValueError(f"o_lat: expected shape [..., {w_uv.shape[0]}, {w_uv.shape[2]}] to match "
                          f"w_uv {tuple(w_uv.shape)}, got {tuple(o_lat.shape)}")
@@ -86,6 +103,8 @@ def fold_q_b_proj(q_b_weight: torch.Tensor, w_uk: torch.Tensor, num_heads: int,
     """
     _check_matrix("q_b_weight", q_b_weight, 2)
     _check_matrix("w_uk", w_uk, 3)
+    num_heads, qk_nope_head_dim, qk_rope_head_dim = (integer(name, v, 1) for name, v in (
+        ("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim)))
     head_dim = qk_nope_head_dim + qk_rope_head_dim
     if q_b_weight.shape[0] != num_heads * head_dim:
         raise ValueError(f"q_b_weight: expected {num_heads} x {head_dim} rows, got {tuple(q_b_weight.shape)}")
@@ -143,8 +162,11 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
             raise TypeError(f"{name}: expected dtype torch.int32, got {t.dtype}")
     if not scales.dtype.is_floating_point:
         raise TypeError(f"scales: expected a floating dtype, got {scales.dtype}")
+    group_size = integer("group_size", group_size, 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
-    if group_size <= 0 or in_features % group_size:
+    if in_features % group_size:
         raise ValueError(f"group_size: must divide the {in_features} input channels, got {group_size}")
     groups = in_features // group_size
     if tuple(qzeros.shape) != (groups, qweight.shape[1]):
@@ -224,6 +246,7 @@ def load_kv_b_proj(path: Union[str, os.PathLike], layer: int, *, prefix: str = "
     AWQ) unless ``dtype`` is given.
     """
     path = os.fspath(path)
+    layer = integer("layer", layer, 0)
     files, read = _reader(path, device)
     weight = _read_linear(files, read, f"{prefix}.{layer}.self_attn.kv_b_proj", path)
     return weight if dtype is None else weight.to(dtype)
@@ -246,6 +269,7 @@ def load_attention_weights(path: Union[str, os.PathLike], layer: int, *, prefix:
     ``dtype`` is given.
     """
     path = os.fspath(path)
+    layer = integer("layer", layer, 0)
     files, read = _reader(path, device)
     base = f"{prefix}.{layer}.self_attn."
     modules = {}
