@@ -14,6 +14,12 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sweep", default=os.environ.get("MLA_KV_SWEEP", "short"),
+                     help="tests/test_sweep.py: 'short' (the default: a few dozen configurations per op), "
+                          "'full' (1,000 per op), or comma-separated seeds to rerun (env MLA_KV_SWEEP)")
+
+
 def _gpu_unavailable_reason():
     if not torch.cuda.is_available():
         return "no CUDA device"
