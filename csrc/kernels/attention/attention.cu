@@ -37,12 +37,13 @@ int grid_x_for(const AttentionParams& p, int block_m) {
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (p.num_splits < 1 || p.num_splits > kMaxAttentionSplits || p.tokens_per_split < 1 ||
-      (p.num_splits > 1 && p.workspace == nullptr))
+  if (p.num_splits < 1 || p.num_splits > kMaxAttentionSplits || p.tokens_per_split < 1)
     return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
-  if (p.batch == 0 || p.total_q_tokens == 0) return Status::kOk;
+  // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows).
+  if (p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0) return Status::kOk;
+  if (p.num_splits > 1 && p.workspace == nullptr) return Status::kInvalidArgument;
   // Packed batches size the CTA by the average rows per sequence (the schedule does the same).
   const int64_t rows_per_seq = p.cu_q_lens == nullptr ? int64_t(p.q_len) * p.num_heads
                                                       : ceil_div(p.total_q_tokens, p.batch) * int64_t(p.num_heads);

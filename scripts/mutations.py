@@ -1,0 +1,297 @@
+"""The one-line kernel mutations that scripts/mutate applies, each to its own copy of csrc/.
+
+A mutation names the exact text it replaces (unique in its file, or the `occurrence`-th of several),
+the test files that must kill it (run in that order, stopping at the first failure) and why a correct
+test suite catches it. `focus` is a pytest -k expression run first as a fast kill; the files' other
+tests run after it when it passes (or selects nothing), so a stale focus costs time, never a verdict.
+
+Fields that say what a mutation covers (tests/test_mutate.py checks that the list covers them all):
+  family  the kernel family changed: write, gather, attention, combine, merge, schedule
+  archs   the arch tags whose kernels run the changed code (the write and gather kernels have Sm70
+          and Sm80 variants only: Sm75 devices run the first, Sm90 devices the second)
+  topics  what the changed line does (see TOPICS)
+
+Mutants that cannot change a result are left out; examples of what was rejected and why:
+  - merge_states' both-empty guard (`m == -INFINITY ? 0.f :`) on wa alone: NaN weights then fail
+    `wa > 0.f` and `denom > 0.f`, so the row is still 0 and its lse -inf;
+  - raised_max's threshold 8 -> 0 (same result, more rescaling) or -> 16 (P stays below fp16's max
+    except for jumps within 2^-14 of 16);
+  - one more split per wave in the schedule (stays within the two-CTAs-per-SM bound the test checks
+    and changes no result);
+  - the TMA copy's past-the-end block for boxes beyond kv_hi (their scores are masked and their V
+    rows zeroed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+ARCHS = ("Sm70", "Sm75", "Sm80", "Sm90")
+ALL = ARCHS
+WRITE_ARCHS = ("Sm70", "Sm80")   # write/gather variants (Sm75 runs Sm70's, Sm90 runs Sm80's)
+MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (attention.cuh)
+FAMILIES = ("write", "gather", "attention", "combine", "merge", "schedule")
+TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
+          "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
+          "pipeline", "TMA", "cp.async", "addressing", "dispatch")
+
+WRITE_CUH = "csrc/kernels/write/write_kv.cuh"
+ADDRESS_CUH = "csrc/kernels/address.cuh"
+ARCH_CUH = "csrc/kernels/arch/arch.cuh"
+MMA_CUH = "csrc/kernels/arch/mma.cuh"
+WGMMA_CUH = "csrc/kernels/arch/wgmma.cuh"
+GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
+ATTENTION_CUH = "csrc/kernels/attention/attention.cuh"
+ATTENTION_CU = "csrc/kernels/attention/attention.cu"
+SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
+MERGE_CU = "csrc/kernels/attention/merge.cu"
+
+T_WRITE = ("tests/test_write.py",)
+T_GATHER = ("tests/test_gather.py",)
+T_ATTENTION = ("tests/test_attention.py",)
+T_SCORES = ("tests/test_attention_scores.py",)  # built score patterns: jumps, growing logits, sinks
+T_GUARDS = ("tests/test_attention_guards.py",)  # reads past the table, NaN canaries around targets
+T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
+# Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
+# does, only tests that plant such scores (named after score jumps / patterns in the suite).
+RESCALE_FOCUS = "jump or pattern or rescale"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    family: str
+    archs: Tuple[str, ...]
+    topics: Tuple[str, ...]
+    file: str
+    original: str
+    replacement: str
+    tests: Tuple[str, ...]
+    description: str
+    occurrence: int = 0  # 0: `original` occurs exactly once in `file`; n >= 1: the n-th occurrence
+    focus: Optional[str] = None
+
+
+MUTATIONS = (
+    # ------------------------------------------------------------------ write / fused write
+    Mutation("write-rms-mean-over-row", "write", WRITE_ARCHS, ("fused write", "rmsnorm"), WRITE_CUH,
+             "warp_sum(sumsq) / kLatentDim + p.rms_eps", "warp_sum(sumsq) / kRowDim + p.rms_eps", T_WRITE,
+             "RMSNorm mean over the 576-value row instead of the 512 latent values (inv_rms 6% high)",
+             focus="fused"),
+    Mutation("write-rms-eps-dropped", "write", WRITE_ARCHS, ("fused write", "rmsnorm"), WRITE_CUH,
+             "warp_sum(sumsq) / kLatentDim + p.rms_eps", "warp_sum(sumsq) / kLatentDim", T_WRITE,
+             "RMSNorm without eps: a zero row becomes 0 x inf = NaN, subnormal rows blow up",
+             focus="zero or fused"),
+    Mutation("write-rope-neox-sin-sign", "write", WRITE_ARCHS, ("fused write", "rope"), WRITE_CUH,
+             "a.v[k] = arch::from_float<T>(x * c - y * s);", "a.v[k] = arch::from_float<T>(x * c + y * s);",
+             T_WRITE, "neox RoPE: first half rotated by -theta", focus="fused"),
+    Mutation("write-rope-interleaved-sin-sign", "write", WRITE_ARCHS, ("fused write", "rope"), WRITE_CUH,
+             "v.v[k + 1] = arch::from_float<T>(y * c + x * s);", "v.v[k + 1] = arch::from_float<T>(y * c - x * s);",
+             T_WRITE, "interleaved RoPE: odd elements rotated by -theta", focus="fused"),
+    Mutation("write-rope-style-swapped", "write", WRITE_ARCHS, ("fused write", "rope"), WRITE_CUH,
+             "if (style == RopeStyle::kNeox) {", "if (style != RopeStyle::kNeox) {", T_WRITE,
+             "neox and interleaved pairings swapped", focus="fused"),
+    Mutation("write-q-last-head-unrotated", "write", WRITE_ARCHS, ("fused write", "rope"), WRITE_CUH,
+             "h < p.q_heads; h += kHeadsPerStep", "h < p.q_heads - 1; h += kHeadsPerStep", T_WRITE,
+             "fused write leaves q's last head unrotated", focus="fused"),
+    Mutation("write-position-bound", "write", WRITE_ARCHS, ("fused write", "guard"), WRITE_CUH,
+             "if (pos < 0 || pos >= p.max_position) return;", "if (pos < 0 || pos > p.max_position) return;",
+             T_WRITE + T_SWEEP, "position == max_position reads the cos/sin row past the table and writes the row",
+             focus="range or skip"),
+    Mutation("write-rope-second-half", "write", WRITE_ARCHS, ("plain write", "paged slots"), WRITE_CUH,
+             "arch::store<T, N>(dst_pe + (lane + kPairVecs) * N, pe_b);",
+             "arch::store<T, N>(dst_pe + (lane + kPairVecs) * N, pe_a);", T_WRITE,
+             "k_pe's second 32 values get a copy of its first 32 (plain and fused writes)"),
+    Mutation("write-negative-slot", "write", WRITE_ARCHS, ("paged slots", "guard"), ADDRESS_CUH,
+             "if (slot < 0 || block >= cache.num_blocks) return nullptr;",
+             "if (block >= cache.num_blocks) return nullptr;", T_WRITE + T_SWEEP,
+             "padded tokens (slot -1) write the row just before the cache (caught by a canary there)",
+             focus="range or skip"),
+    Mutation("write-slot-past-cache", "write", WRITE_ARCHS, ("paged slots", "guard"), ADDRESS_CUH,
+             "if (slot < 0 || block >= cache.num_blocks) return nullptr;",
+             "if (slot < 0 || block > cache.num_blocks) return nullptr;", T_WRITE + T_SWEEP,
+             "slots of block num_blocks write past the cache's end (caught by a canary there)",
+             focus="range or skip"),
+    Mutation("write-token-past-batch", "write", WRITE_ARCHS, ("block pointers", "guard"), ADDRESS_CUH,
+             "if (t >= cu_q_lens[cache.batch]) return nullptr;", "if (t > cu_q_lens[cache.batch]) return nullptr;",
+             T_WRITE + T_SWEEP, "block pointers: the first token past cu_q_lens[B] is written into the last sequence",
+             focus="blocks or block_pointer"),
+    Mutation("write-block-list-bound", "write", WRITE_ARCHS, ("block pointers", "guard"), ADDRESS_CUH,
+             "if (pos < 0 || block >= cache.cu_block_nums[lo + 1] - first) return nullptr;",
+             "if (pos < 0 || block > cache.cu_block_nums[lo + 1] - first) return nullptr;", T_WRITE + T_SWEEP,
+             "block pointers: a position one block past a sequence's list writes through the next "
+             "sequence's first block", focus="blocks or block_pointer"),
+    Mutation("volta-stream-load-offset", "write", ("Sm70", "Sm75"), ("plain write", "pipeline"), ARCH_CUH,
+             "r = __ldg(reinterpret_cast<const int4*>(vp));", "r = __ldg(reinterpret_cast<const int4*>(vp) + 1);",
+             T_WRITE + T_GATHER + T_ATTENTION,
+             "Sm70-tag 16-byte streaming loads (write, gather, Volta/Turing attention tiles) read the next vector"),
+    # ------------------------------------------------------------------ gather
+    Mutation("gather-rows-past-total", "gather", WRITE_ARCHS, ("paged table", "guard"), GATHER_CUH,
+             "if (t >= p.out_rows || t >= p.cu_kv_lens[p.batch]) return nullptr;",
+             "if (t >= p.out_rows || t > p.cu_kv_lens[p.batch]) return nullptr;", T_GATHER,
+             "out row cu_kv_lens[B] (past the last sequence) is written"),
+    Mutation("gather-out-rows-bound", "gather", WRITE_ARCHS, ("paged table", "guard"), GATHER_CUH,
+             "if (t >= p.out_rows || t >= p.cu_kv_lens[p.batch]) return nullptr;",
+             "if (t >= p.cu_kv_lens[p.batch]) return nullptr;", T_GATHER + T_SWEEP,
+             "an out shorter than cu_kv_lens[B] is written past its end (caught by a canary there)",
+             focus="short"),
+    Mutation("gather-starts-ignored", "gather", WRITE_ARCHS, ("paged table", "block pointers"), GATHER_CUH,
+             "const int64_t pos = (p.starts ? p.starts[b] : 0) + (t - p.cu_kv_lens[b]);",
+             "const int64_t pos = t - p.cu_kv_lens[b];", T_GATHER, "gather ignores starts"),
+    Mutation("gather-negative-position", "gather", WRITE_ARCHS, ("paged table", "guard"), GATHER_CUH,
+             "if (pos < 0 || pos > INT_MAX) return nullptr;", "if (pos > INT_MAX) return nullptr;",
+             T_GATHER + T_SWEEP, "negative positions (starts < 0) read the table entry before the sequence's row",
+             focus="skip or cover"),
+    Mutation("gather-rope-first-order", "gather", WRITE_ARCHS, ("block pointers",), GATHER_CUH,
+             "arch::store<T, N>(out + (first + r) * p.out_stride + canonical_column(rows.cache.row, stored), data[k]);",
+             "arch::store<T, N>(out + (first + r) * p.out_stride + stored, data[k]);", T_GATHER,
+             "rope-first rows are copied out unreordered (out must be latent first)", focus="block_pointers"),
+    Mutation("read-block-list-bound", "gather", ALL, ("block pointers", "guard"), ADDRESS_CUH,
+             "if (i >= cache.cu_block_nums[b + 1] - first) return nullptr;",
+             "if (i > cache.cu_block_nums[b + 1] - first) return nullptr;", T_GATHER + T_GUARDS,
+             "block-pointer reads one block past a sequence's list use the next sequence's first block",
+             focus="skip or past"),
+    Mutation("read-table-width", "gather", ALL, ("paged table", "guard"), ADDRESS_CUH,
+             "if (i >= max_blocks) return nullptr;", "if (i > max_blocks) return nullptr;", T_GATHER + T_GUARDS,
+             "paged reads one entry past a block-table row use the next row's first block",
+             focus="skip or past"),
+    Mutation("sequence-of-boundary", "gather", WRITE_ARCHS, ("addressing", "block pointers"), ADDRESS_CUH,
+             "if (cu_lens[mid] <= t) lo = mid; else hi = mid - 1;", "if (cu_lens[mid] < t) lo = mid; else hi = mid - 1;",
+             T_GATHER + T_WRITE, "a sequence's first packed row is looked up in the previous sequence"),
+    # ------------------------------------------------------------------ attention (shared, mma.sync kernel)
+    Mutation("causal-own-token", "attention", ALL, ("mask", "decode", "prefill"), ATTENTION_CUH,
+             "limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);",
+             "limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s : w.kv_len);", T_ATTENTION,
+             "causal limit off by one: a query does not see its own key"),
+    Mutation("causal-cta-range", "attention", ALL, ("mask", "decode", "prefill"), ATTENTION_CUH,
+             "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;",
+             "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads : w.kv_len;", T_ATTENTION,
+             "a CTA's kv range stops one key before its last query's own key"),
+    Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), ATTENTION_CUH,
+             "sc[c] = (j0 + my_col0 + c < row_limit) ? sc[c] * scale_log2 : -INFINITY;",
+             "sc[c] = (j0 + my_col0 + c <= row_limit) ? sc[c] * scale_log2 : -INFINITY;", T_ATTENTION,
+             "mma.sync kernel: the key at a row's limit (next token, or a zero row past the end) is scored"),
+    Mutation("mma-sync-scale-not-log2", "attention", MMA_SYNC, ("softmax",), ATTENTION_CUH,
+             "const float scale_log2 = p.softmax_scale * kLog2e;", "const float scale_log2 = p.softmax_scale;",
+             T_ATTENTION, "mma.sync kernel: exp2 of scores scaled for exp (softmax temperature x1.44)"),
+    Mutation("rescale-factor-inverted", "attention", ALL, ("rescale", "softmax"), ATTENTION_CUH,
+             "return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);",
+             "return kFlushDenormals ? arch::exp2_ftz(new_max - old_max) : exp2f(new_max - old_max);", T_ATTENTION,
+             "online softmax rescale factor 2^(new - old): infinite on the first tile, 0 x inf = NaN"),
+    Mutation("mma-sync-row-sum-not-rescaled", "attention", MMA_SYNC, ("rescale",), ATTENTION_CUH,
+             "row_sum = row_sum * alpha + tile_sum;", "row_sum = row_sum + tile_sum;", T_SCORES + T_ATTENTION,
+             "mma.sync kernel: the row sum keeps its old scale when the running max moves (score jump)",
+             focus=RESCALE_FOCUS),
+    Mutation("mma-sync-lse-base", "attention", MMA_SYNC, ("lse",), ATTENTION_CUH,
+             "const float lse = l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;",
+             "const float lse = l > 0.f ? (max_s[tid] + logf(l)) * kLn2 : -INFINITY;", T_ATTENTION,
+             "mma.sync kernel: lse adds ln(sum) to a log2-domain max"),
+    Mutation("decode-ctas-per-sequence", "attention", ALL, ("decode",), ATTENTION_CUH,
+             "const int per_seq = (p.q_len * p.num_heads + kBlockM - 1) / kBlockM;",
+             "const int per_seq = p.q_len * p.num_heads / kBlockM;", T_ATTENTION,
+             "decode: CTAs per sequence rounded down (a sequence's last, partial CTA is lost)"),
+    Mutation("prefill-ctas-per-sequence", "attention", ALL, ("prefill",), ATTENTION_CUH,
+             "n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;",
+             "n = (p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads / kBlockM;", T_ATTENTION,
+             "packed prefill: CTAs per sequence rounded down (rows of its last CTA never written)",
+             focus="prefill"),
+    Mutation("split-range-short", "attention", ALL, ("split",), ATTENTION_CUH,
+             "w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);",
+             "w.kv_hi = min(min(w.kv_lo + p.tokens_per_split - 1, w.kv_len), visible);", T_ATTENTION,
+             "a split's kv range drops its last position"),
+    Mutation("volta-row-cap", "attention", ("Sm70",), ("dispatch",), ATTENTION_CU,
+             "if (rows <= 32 || arch == Arch::kSm70) return 32;", "if (rows <= 32) return 32;", T_ATTENTION,
+             "Sm70 gets 64-row CTAs, which its launcher refuses (Volta's shared memory holds 32 query rows)"),
+    # ------------------------------------------------------------------ arch: mma.sync paths and tile pipelines
+    Mutation("sm70-mma-a-register-order", "attention", ("Sm70",), ("mma",), MMA_CUH,
+             ': "r"(a.r[k][0]), "r"(a.r[k][1]), "r"(b.r[k][0]), "r"(b.r[k][1]));',
+             ': "r"(a.r[k][1]), "r"(a.r[k][0]), "r"(b.r[k][0]), "r"(b.r[k][1]));', T_ATTENTION,
+             "mma.m8n8k4: A's two f16x2 registers swapped (k 0-1 against B's k 2-3)"),
+    Mutation("sm75-mma-b-k-half", "attention", ("Sm75",), ("mma",), MMA_CUH,
+             ': "r"(a.r[2 * k]), "r"(a.r[2 * k + 1]), "r"(b.r[h][k]));',
+             ': "r"(a.r[2 * k]), "r"(a.r[2 * k + 1]), "r"(b.r[h][0]));', T_ATTENTION,
+             "mma.m16n8k8: both k halves multiply B's first k half"),
+    Mutation("sm80-bf16-mma-b-order", "attention", ("Sm80",), ("mma",), MMA_CUH,
+             ': "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));',
+             ': "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][1]), "r"(b.r[h][0]));', T_ATTENTION,
+             "mma.m16n8k16 bf16: B's two k-half registers swapped", occurrence=1),
+    Mutation("sm80-cp-async-lookahead", "attention", ("Sm80",), ("pipeline", "cp.async"), ATTENTION_CUH,
+             "lookup(j0 + (kStages + 1) * kBlockN);", "lookup(j0 + kStages * kBlockN);", T_ATTENTION,
+             "cp.async ring: the refill after the next one looks up the same tile again"),
+    Mutation("register-staging-lookahead", "attention", ("Sm70", "Sm75"), ("pipeline",), ATTENTION_CUH,
+             "lookup(j0 + 2 * kBlockN);", "lookup(j0 + kBlockN);", T_ATTENTION,
+             "Volta/Turing register staging: the tile after next gets the next tile's rows"),
+    # ------------------------------------------------------------------ Sm90 wgmma kernel
+    Mutation("sm90-mask-one-past", "attention", ("Sm90",), ("mask", "softmax"), SM90_CUH,
+             "x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] ? x * scale_log2 : -INFINITY;",
+             "x = j + 8 * jj + 2 * (lane % 4) + e <= row_limit[hh] ? x * scale_log2 : -INFINITY;", T_ATTENTION,
+             "wgmma kernel: the key at a row's limit is scored"),
+    Mutation("sm90-lse-units", "attention", ("Sm90",), ("lse",), SM90_CUH,
+             "const float lse = l > 0.f ? (row_max[hh] + log2f(l)) * kLn2 : -INFINITY;",
+             "const float lse = l > 0.f ? row_max[hh] * kLn2 + log2f(l) : -INFINITY;", T_ATTENTION,
+             "wgmma kernel: lse adds log2(sum) unconverted"),
+    Mutation("sm90-swizzle-phase", "attention", ("Sm90",), ("mma",), WGMMA_CUH,
+             "return row * kSwizzleRowBytes + ((unit ^ (row & 7)) << 4);",
+             "return row * kSwizzleRowBytes + ((unit ^ (row & 3)) << 4);", T_ATTENTION,
+             "128-byte swizzle with a 4-row phase: Q and cp.async tiles land where wgmma does not read them"),
+    Mutation("sm90-scores-first-k-step", "attention", ("Sm90",), ("mma",), SM90_CUH,
+             "Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), i + k > 0);",
+             "Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), i + k > 1);", T_ATTENTION,
+             "Q.K^T: the second k step overwrites the first instead of accumulating"),
+    Mutation("sm90-row-sum-one-warpgroup", "attention", ("Sm90",), ("softmax", "decode", "prefill"), SM90_CUH,
+             "const float l = sum_s[r] + sum_s[kRows + r];", "const float l = sum_s[r];", T_ATTENTION,
+             "wgmma kernel: rows normalized by warpgroup 0's sum alone (wrong past 64 keys)"),
+    Mutation("sm90-tiles-rounded-down", "attention", ("Sm90",), ("decode", "prefill"), SM90_CUH,
+             "return w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;",
+             "return w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo) / kTokens : 0;", T_ATTENTION,
+             "wgmma kernel: a partial last tile of 64 keys is skipped"),
+    Mutation("sm90-zero-tail-skipped", "attention", ("Sm90",), ("TMA", "decode"), SM90_CUH,
+             "if (valid < kTokens) {", "if (valid < 0) {", T_ATTENTION + T_GUARDS,
+             "TMA path: rows past the sequence end keep their bytes in V (NaN there reaches out as 0 x NaN)",
+             focus="nan or block_sizes"),
+    Mutation("sm90-tma-next-tile-blocks", "attention", ("Sm90",), ("TMA", "paged table"), SM90_CUH,
+             "if (t + 1 < tiles) tile_blocks(rows, w.b, first + kTokens, blocks);",
+             "if (t + 1 < tiles) tile_blocks(rows, w.b, first + 2 * kTokens, blocks);", T_ATTENTION,
+             "TMA copy thread: every tile after the first is read from the blocks of the tile after it"),
+    Mutation("sm90-cp-async-rope-first", "attention", ("Sm90",), ("cp.async", "block pointers"), SM90_CUH,
+             "const int src_col = stored_column(rows.cache.row, chunk * 64) + unit * 8;",
+             "const int src_col = chunk * 64 + unit * 8;", T_ATTENTION,
+             "cp.async path: rope-first block-pointer rows read as if latent first", focus="block_pointers"),
+    Mutation("sm90-adopt-own-max", "attention", ("Sm90",), ("rescale",), SM90_CUH,
+             "adopt_max(1, alpha);", "adopt_max(0, alpha);", T_SCORES + T_ATTENTION,
+             "seesaw: warpgroup 0 re-reads its own max instead of warpgroup 1's (wrong after a score jump "
+             "in a pair's second tile)", focus=RESCALE_FOCUS),
+    # ------------------------------------------------------------------ split-KV combine
+    Mutation("combine-few-lse", "combine", ALL, ("split", "lse"), ATTENTION_CUH,
+             "denom > 0.f ? m + logf(denom) : -INFINITY;", "denom > 0.f ? m : -INFINITY;", T_ATTENTION,
+             "combine of <= 8 splits: merged lse is the largest split's, without log(sum of weights)",
+             occurrence=2),
+    Mutation("combine-many-unweighted", "combine", ALL, ("split",), ATTENTION_CUH,
+             "o[g].x += wgt * x[u][g].x;", "o[g].x += x[u][g].x;", T_ATTENTION + T_SCORES,
+             "combine of > 8 splits: even columns summed without the split weights", occurrence=1,
+             focus="split"),
+    Mutation("combine-many-padded-row", "combine", ALL, ("split", "prefill", "guard"), ATTENTION_CUH,
+             "if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;",
+             "if (p.cu_q_lens != nullptr && flat > int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;",
+             T_ATTENTION, "combine of > 8 splits writes the first padded row past cu_q_lens[B]",
+             occurrence=1, focus="padded"),
+    # ------------------------------------------------------------------ schedule
+    Mutation("schedule-split-off-tile", "schedule", ALL, ("split",), ATTENTION_CU,
+             "tokens = ceil_div(tokens, kTileTokens) * kTileTokens;", "tokens = ceil_div(tokens, 32) * 32;",
+             ("tests/test_cpp_api.py",) + T_ATTENTION,
+             "splits end on 32-token, not 64-token tile boundaries", focus="schedule"),
+    Mutation("schedule-empty-splits", "schedule", ALL, ("split",), ATTENTION_CU,
+             "return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens};", "return {splits, tokens};",
+             ("tests/test_cpp_api.py",) + T_ATTENTION,
+             "the split count is not recomputed after rounding tokens up: trailing splits are empty",
+             focus="schedule"),
+    # ------------------------------------------------------------------ merge_states
+    Mutation("merge-lse-log2", "merge", ALL, ("lse",), MERGE_CU,
+             "p.lse[r] = denom > 0.f ? m + logf(denom) : -INFINITY;",
+             "p.lse[r] = denom > 0.f ? m + log2f(denom) : -INFINITY;", T_ATTENTION + T_SWEEP,
+             "merge_states: lse adds log2 of the weight sum", focus="merge"),
+    Mutation("merge-b-weight", "merge", ALL, ("split",), MERGE_CU,
+             "const float vb = wb > 0.f ? arch::to_float(b[c]) * wb : 0.f;",
+             "const float vb = wb > 0.f ? arch::to_float(b[c]) * wa : 0.f;", T_ATTENTION + T_SWEEP,
+             "merge_states: state b weighted by a's weight", focus="merge"),
+)
