@@ -68,8 +68,9 @@ def test_decode_odd_head_counts_across_cta_rows(dtype, heads, s_q):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])  # 48: the division path of odd sizes
 def test_decode_block_sizes_shared_blocks_and_empty_sequences(dtype, block_size):
-    """Whole-box tile loads (TMA, every block size) read the NaN rows past a sequence's end in its
-    last block: they must not reach the output (0 x NaN is NaN, so masking scores is not enough)."""
+    """Whole-box tile loads (Hopper's TMA, blocks of 16, 32 or multiples of 64) read the NaN rows past
+    a sequence's end in its last block: they must not reach the output (0 x NaN is NaN, so masking
+    scores is not enough)."""
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
     case, ref = decode_case(lens, 20, 1, block_size, dtype)
     check_decode_variants(case, ref, dtype, f"bs={block_size}")

@@ -399,3 +399,22 @@ def test_plan_accepts_numpy_numbers():
 def test_load_model_rejects_a_non_path():
     with pytest.raises(TypeError, match="name_or_path"):
         planner.load_model(None)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_attention_out_with_an_odd_row_stride_is_rejected_before_writing(op):
+    """The kernels store out in vectors: an out whose strides are not multiples of 8 elements is
+    refused (on the CPU too, so both devices accept the same calls), and left as it was."""
+    cache, table, lens = _attention_inputs()
+    gen = torch.Generator().manual_seed(2)
+    if op == "decode":
+        q, lead = torch.randn(1, 2, 3, ROW, dtype=torch.float64, generator=gen), (1, 2, 3)
+        call = lambda out: mla_kv.decode(q, cache, table, lens, 0.0625, out=out)
+    else:
+        q, lead = torch.randn(5, 3, ROW, dtype=torch.float64, generator=gen), (5, 3)
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        call = lambda out: mla_kv.prefill(q, cache, table, cu, lens, 0.0625, out=out)
+    storage = torch.full((*lead, 513), 7.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="out: .*multiples of 8"):
+        call(storage[..., :512])
+    assert (storage == 7.0).all()

@@ -34,7 +34,7 @@ def test_schedule_covers_the_context_in_one_wave(arch):
     132 SMs (at most two CTAs per SM, at least one CTA per 64 query rows)."""
     tag = getattr(_C.Arch, arch)
     sms = 132
-    for batch in (1, 3, 64, 512):
+    for batch in (0, 1, 3, 64, 512):  # 0: an empty batch (no CTAs) must not divide by its CTA count
         for heads in (1, 5, 16, 20, 64, 128):
             for q_len in (1, 4):
                 for max_kv in (1, 255, 4096, 262144):

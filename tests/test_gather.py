@@ -12,6 +12,8 @@ import mla_kv
 from mla_kv import reference
 from mla_kv.layout import BlockPool, to_latent_first
 
+from gpu_checks import random_table, same_bytes
+
 GPU = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ARCHS = [None, "sm75", "sm70"]  # sm75 runs the Volta variant: both tags must dispatch
@@ -20,21 +22,6 @@ ARCHS = [None, "sm75", "sm70"]  # sm75 runs the Volta variant: both tags must di
 def poison(shape, dtype, device, gen):
     """Random finite values, never zero, so unwritten or misplaced rows show."""
     return (torch.rand(shape, generator=gen) * 8 + 3).to(device, dtype)
-
-
-def random_table(needs, num_blocks, gen, shared=0):
-    """Shuffled distinct blocks per sequence (needs[b] of them, the first ``shared`` common to all);
-    entries past a sequence's blocks hold an id outside the cache."""
-    width = max(needs) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.full((len(needs), width), num_blocks + 7, dtype=torch.int32)
-    used = shared
-    for b, n in enumerate(needs):
-        table[b, :shared] = perm[:shared]
-        table[b, shared:n] = perm[used:used + n - shared]
-        used += n - shared
-    assert used <= num_blocks
-    return table
 
 
 def packed_positions(cu, starts):
@@ -77,6 +64,16 @@ def batch_for(lens, block_size, gen, with_starts):
     return cu.int(), starts.int(), needs
 
 
+def out_window(rows, dtype, gen, want, covered):
+    """(buffer, out, expected buffer): out [rows, 576] is a window of a poisoned buffer 2 rows and 8
+    columns larger on each side; afterwards the covered rows must hold want, every other byte stay."""
+    wide = poison((rows + 4, 576 + 16), dtype, "cuda", gen)
+    out = wide[2:rows + 2, 8:8 + 576]
+    expect = wide.clone()
+    expect[2:rows + 2, 8:8 + 576][covered.cuda()] = want[covered].cuda()
+    return wide, out, expect
+
+
 # ------------------------------------------------------------------------------- GPU
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +85,8 @@ def test_gather_paged_matches_reference(dtype, block_size, with_starts):
     cu, starts, needs = batch_for(lens, block_size, gen, with_starts)
     num_blocks = sum(needs) + 5
     cache = poison((num_blocks, block_size, 576), dtype, "cuda", gen)
-    table = random_table(needs, num_blocks, gen, shared=1).cuda()  # all share a first block (prefix cache)
+    # all share a first block (prefix cache)
+    table = random_table(needs, num_blocks, gen, shared_prefix_blocks=1, device="cpu").cuda()
     cu, starts = cu.cuda(), starts.cuda()
     total = int(cu[-1])
     want = reference.gather_kv(cache, table, cu, starts=starts)
@@ -115,7 +113,7 @@ def test_gather_strided_out_and_layer_of_a_pool(dtype, width, offset):
     num_blocks = sum(needs) + 2
     pool = poison((num_blocks, 3, block_size, 576), dtype, "cuda", gen)
     cache = pool[:, 2]  # one layer of a [blocks, layers, block_size, 576] pool: block stride 3 x rows
-    table = random_table(needs, num_blocks, gen).cuda()
+    table = random_table(needs, num_blocks, gen, device="cpu").cuda()
     cu, starts = cu.cuda(), starts.cuda()
     total = int(cu[-1])
     want = reference.gather_kv(cache, table, cu, starts=starts)
@@ -166,13 +164,14 @@ def test_gather_large_batch_and_short_out(dtype):
     cu, starts, needs = batch_for(lens, 64, gen, True)
     num_blocks = sum(needs) + 8
     cache = poison((num_blocks, 64, 576), dtype, "cuda", gen)
-    table = random_table(needs, num_blocks, gen).cuda()
+    table = random_table(needs, num_blocks, gen, device="cpu").cuda()
     cu, starts = cu.cuda(), starts.cuda()
     total = int(cu[-1])
     want, covered = expected_paged(cache, table, cu, starts)
     assert bool(covered.all())
     for arch in ARCHS:
-        got = mla_kv.gather_kv(cache, table, cu, starts=starts, arch=arch)
+        # a poisoned out of its own: an allocated one may get the memory of the last variant's result
+        got = mla_kv.gather_kv(cache, table, cu, starts=starts, out=poison((total, 576), dtype, "cuda", gen), arch=arch)
         assert torch.equal(got.cpu(), want), f"arch={arch}: {total} rows differ"
         # Without validate an out shorter than total_kv receives its first rows; validate refuses it.
         short = poison((total - 100, 576), dtype, "cuda", gen)
@@ -183,51 +182,77 @@ def test_gather_large_batch_and_short_out(dtype):
 
 
 @GPU
-def test_gather_skips_rows_the_cache_does_not_cover():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # bf16 shares the fp16 instantiation
+def test_gather_skips_rows_the_cache_does_not_cover(dtype):
+    """Without validation, rows whose position has no block (past the table; ids -1, num_blocks,
+    2^31 - 1) or is negative leave their out rows untouched. out is a window of a larger buffer, the
+    cache one of a larger tensor (canary blocks on both sides): nothing outside the covered rows'
+    out bytes changes. validate=True raises for both kinds and writes nothing."""
     gen = torch.Generator().manual_seed(23)
-    dtype, block_size = torch.float16, 32
+    block_size = 32
     lens = [40, 70, 33, 10]
     cu, starts, needs = batch_for(lens, block_size, gen, False)
     num_blocks = sum(needs) + 2
-    cache = poison((num_blocks, block_size, 576), dtype, "cuda", gen)
-    table = random_table(needs, num_blocks, gen)[:, :2]  # sequence 1 needs 3 blocks: its last 6 rows are uncovered
-    table[2, 1] = num_blocks                             # sequence 2's second block is outside the cache
-    starts[3] = -4                                       # sequence 3's first 4 positions are negative
+    storage = poison((num_blocks + 2, block_size, 576), dtype, "cuda", gen)
+    cache = storage[1:-1]
+    table = random_table(needs, num_blocks, gen, device="cpu")[:, :2]  # sequence 1's last 6 rows: past the table
+    table[0, 1] = -1                                                    # sequence 0's rows 32..39
+    table[1, 0] = 2 ** 31 - 1                                           # sequence 1's rows 0..31
+    table[2, 1] = num_blocks                                            # sequence 2's row 32
+    starts[3] = -4                                                      # sequence 3's first 4 positions
     table, cu, starts = table.cuda(), cu.cuda(), starts.cuda()
     want, covered = expected_paged(cache, table, cu, starts)
-    assert int((~covered).sum()) == 6 + 1 + 4
+    assert int((~covered).sum()) == 8 + 32 + 6 + 1 + 4
+    total, storage_before = int(cu[-1]), storage.clone()
     for arch in ARCHS:
-        out = poison((int(cu[-1]), 576), dtype, "cuda", gen)
-        before = out.clone()
+        wide, out, expect = out_window(total, dtype, gen, want, covered)
         mla_kv.gather_kv(cache, table, cu, starts=starts, out=out, arch=arch)
-        got = out.cpu()
-        assert torch.equal(got[covered], want[covered]), f"arch={arch}: covered rows differ"
-        assert torch.equal(got[~covered], before.cpu()[~covered]), f"arch={arch}: uncovered rows written"
-        gathered = out.clone()
+        assert torch.equal(out.cpu()[covered], want[covered]), f"arch={arch}: covered rows differ"
+        assert same_bytes(wide, expect), f"arch={arch}: uncovered rows or bytes around out written"
         for bad_starts, bad_table, name in ((starts.clamp(min=0), table, "block_table"),
                                             (starts, table[:, :1].contiguous(), "starts")):
             with pytest.raises(ValueError, match=name):
                 mla_kv.gather_kv(cache, bad_table, cu, starts=bad_starts, out=out, arch=arch, validate=True)
         torch.cuda.synchronize()
-        assert torch.equal(out, gathered), f"arch={arch}: a call that failed validation wrote"
+        assert same_bytes(wide, expect), f"arch={arch}: a call that failed validation wrote"
+    assert same_bytes(storage, storage_before), "the cache changed"
 
-    # Block pointers: sequence 1 owns one block fewer than its rows need.
-    pool = BlockPool(sum(needs) + 2, 1, block_size, dtype, "cuda")
-    pool.storage.copy_(poison(pool.storage.shape, dtype, "cuda", gen))
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gather_block_pointers_skip_rows_past_the_blocks(dtype):
+    """Sequence 1 owns one block fewer than its rows need, sequence 2 none, sequence 3 starts at -4:
+    those rows of out stay untouched, as do the bytes around out and the pool (other layers, blocks
+    nobody owns). validate=True raises."""
+    gen = torch.Generator().manual_seed(29)
+    block_size = 32
+    lens = [40, 70, 33, 10]
+    cu, starts, needs = batch_for(lens, block_size, gen, False)
+    starts[3] = -4
     counts = list(needs)
     counts[1] -= 1
+    counts[2] = 0
+    pool = BlockPool(sum(needs) + 2, 3, block_size, dtype, "cuda")
+    pool.storage.copy_(poison(pool.storage.shape, dtype, "cuda", gen))
     ids = torch.randperm(pool.storage.shape[0], generator=gen)[:sum(counts)]
     cu_blocks = torch.tensor([0] + counts).cumsum(0).int()
-    zero = torch.zeros(len(lens), dtype=torch.int32)
-    want, covered = expected_blocks(pool, 0, ids, cu_blocks, cu, zero)
-    assert int((~covered).sum()) == 70 - 2 * block_size
-    out = poison((int(cu[-1]), 576), dtype, "cuda", gen)
-    before = out.clone()
-    mla_kv.gather_kv(pool.cache(0, ids, cu_blocks), None, cu, out=out)
-    assert torch.equal(out.cpu()[covered], want[covered])
-    assert torch.equal(out.cpu()[~covered], before.cpu()[~covered])
-    with pytest.raises(ValueError, match="cache.cu_block_nums"):
-        mla_kv.gather_kv(pool.cache(0, ids, cu_blocks), None, cu, out=out, validate=True)
+    cache = pool.cache(1, ids, cu_blocks)
+    want, covered = expected_blocks(pool, 1, ids, cu_blocks, cu, starts)
+    assert int((~covered).sum()) == (70 - 2 * block_size) + 33 + 4
+    cu, starts = cu.cuda(), starts.cuda()
+    total, pool_before = int(cu[-1]), pool.storage.clone()
+    for arch in ARCHS:
+        wide, out, expect = out_window(total, dtype, gen, want, covered)
+        mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch)
+        assert torch.equal(out.cpu()[covered], want[covered]), f"arch={arch}: covered rows differ"
+        assert same_bytes(wide, expect), f"arch={arch}: uncovered rows or bytes around out written"
+        with pytest.raises(ValueError, match="starts"):
+            mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch, validate=True)
+        with pytest.raises(ValueError, match="cache.cu_block_nums"):
+            mla_kv.gather_kv(cache, None, cu, starts=starts.clamp(min=0), out=out, arch=arch, validate=True)
+        torch.cuda.synchronize()
+        assert same_bytes(wide, expect), f"arch={arch}: a call that failed validation wrote"
+    assert same_bytes(pool.storage, pool_before), "the pool changed"
 
 
 @GPU
@@ -237,7 +262,7 @@ def test_gather_in_cuda_graph():
     cu, starts, needs = batch_for(lens, 64, gen, True)
     num_blocks = sum(needs) + 4
     cache = poison((num_blocks, 64, 576), dtype, "cuda", gen)
-    table = random_table(needs, num_blocks, gen).cuda()
+    table = random_table(needs, num_blocks, gen, device="cpu").cuda()
     cu, starts = cu.cuda(), starts.cuda()
     out = torch.zeros(800, 576, dtype=dtype, device="cuda")
     stream = torch.cuda.Stream()
@@ -293,7 +318,7 @@ def cpu_case(dtype=torch.float32):
     lens = [3, 0, 17, 16]
     cu, starts, needs = batch_for(lens, 16, gen, True)
     cache = poison((sum(needs) + 2, 16, 576), dtype, "cpu", gen)
-    table = random_table(needs, cache.shape[0], gen)
+    table = random_table(needs, cache.shape[0], gen, device="cpu")
     return cache, table, cu, starts
 
 

@@ -9,8 +9,10 @@ import torch
 
 import mla_kv
 from mla_kv import reference
-from mla_kv.layout import BlockPool, block_slots, to_rope_first
+from mla_kv.layout import BlockPool, block_slots, to_latent_first, to_rope_first
 from mla_kv.rope import cos_sin_cache
+
+from gpu_checks import same_bytes
 
 GPU = pytest.mark.gpu
 
@@ -57,6 +59,21 @@ def assert_close_rows(got, want, dtype, what):
     assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.1e}"
 
 
+def slot_mask(slots, num_blocks, block_size):
+    """[num_blocks, block_size] True at the non-negative slots."""
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=slots.device)
+    written[slots[slots >= 0]] = True
+    return written.view(num_blocks, block_size)
+
+
+def fused_reference_layer(layer_before, rope_first, kv_a, weight, eps, positions, cos_sin, slots, q=None):
+    """float64 reference.fused_write_kv into a copy of one pool layer [blocks, bsl, 576] (rows in
+    the pool's order; the reference writes latent-first rows); q (float64) is rotated in place."""
+    layer = (to_latent_first(layer_before) if rope_first else layer_before).double()
+    reference.fused_write_kv(kv_a.double(), weight.double(), eps, positions, cos_sin.double(), layer, slots, q=q)
+    return to_rope_first(layer) if rope_first else layer
+
+
 # ------------------------------------------------------------------------------- GPU
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -99,9 +116,7 @@ def test_fused_write_kv_paged(dtype, rope_style, num_tokens, block_size, cos_fp3
         q64 = want_q.double()
         reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64,
                                  slots, rope_style=rope_style, q=q64)
-        written = torch.zeros(cache.shape[:2], dtype=torch.bool, device="cuda").view(-1)
-        written[slots[slots >= 0]] = True
-        written = written.view(cache.shape[:2])
+        written = slot_mask(slots, *cache.shape[:2])
         assert torch.equal(cache[~written], want_cache[~written]), f"arch={arch}: untouched rows changed"
         assert_close_rows(cache[written][:, :512], ref64[written][:, :512], dtype, f"arch={arch} c_kv")
         assert_close_rows(cache[written][:, 512:], ref64[written][:, 512:], dtype, f"arch={arch} k_pe")
@@ -126,25 +141,73 @@ def test_nan_row_poisons_only_its_slot():
         assert torch.isnan(flat[int(slots[10]), :512]).all()
 
 
+def write_rows(fused, kv_a, weight, positions, cos_sin, cache, *, slots=None, cu_q=None, hist=None, q=None,
+               arch=None, validate=False):
+    """write_kv (rows kv_a as they are) or fused_write_kv (eps 1e-6) into a paged cache through
+    slots, or into a BlockPointerCache through cu_q / hist (host tensors)."""
+    if isinstance(cache, torch.Tensor):
+        if fused:
+            mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cos_sin, cache, slots, q=q, arch=arch,
+                                  validate=validate)
+        else:
+            mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, slots, arch=arch, validate=validate)
+    elif fused:
+        mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-6, positions, cos_sin, cache, cu_q.cuda(), hist.cuda(), q=q,
+                                     arch=arch, validate=validate)
+    else:
+        mla_kv.write_kv_blocks(kv_a[:, :512], kv_a[:, 512:], cache, cu_q.cuda(), hist.cuda(), arch=arch,
+                               validate=validate)
+
+
+MAX_POSITION = 100  # rope table rows of the guard tests
+# (slot, rope position) per token over a cache of 6 blocks x 16 = 96 slots
+OUT_OF_RANGE_TOKENS = [(5, 10), (-1, 11), (17, -1), (-7, 12), (95, MAX_POSITION - 1), (96, 13), (96 + 3 * 16, 14),
+                       (2 ** 40, 15), (40, MAX_POSITION), (-2 ** 62, 16), (0, 2 ** 40), (63, 17)]
+
+
 @GPU
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_out_of_range_slots_and_positions_are_skipped(dtype):
-    gen = torch.Generator().manual_seed(11)
-    cs = cos_sin_cache(64, 100, 1e4, device="cuda")
-    kv_a, q, positions, weight = make_inputs(32, dtype, "cuda", gen, max_position=100)
-    cache = poison_like(torch.empty(4, 16, 576, dtype=dtype, device="cuda"), gen)
-    before = cache.clone()
-    slots = torch.arange(32, dtype=torch.int64, device="cuda") + 48  # 48..79, capacity 64
-    positions[3] = 100  # outside cos_sin_cache
-    mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots)
-    flat, flat_before = cache.view(-1, 576), before.view(-1, 576)
-    assert torch.equal(flat[:48], flat_before[:48])
-    assert torch.equal(flat[51], flat_before[51]), "row with an out-of-range position was written"
-    assert not torch.equal(flat[48], flat_before[48])
-    with pytest.raises(ValueError, match="slot_mapping"):
-        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, validate=True)
-    with pytest.raises(ValueError, match="positions"):
-        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots - 48, validate=True)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused", [False, True])
+def test_paged_writes_skip_slots_and_positions_out_of_range(dtype, fused):
+    """Without validation a token writes its row only for a slot in [0, capacity) and (fused) a rope
+    position in [0, max_position); a bad position leaves its q alone too, a padded slot does not.
+    The cache lies between canary blocks: every byte but the written rows' keeps its value.
+    validate=True raises for the same calls and writes nothing."""
+    gen = torch.Generator().manual_seed(31 + fused)
+    slots = torch.tensor([s for s, _ in OUT_OF_RANGE_TOKENS], dtype=torch.int64, device="cuda")
+    positions = torch.tensor([p for _, p in OUT_OF_RANGE_TOKENS], device="cuda")
+    in_cache = (slots >= 0) & (slots < 6 * 16)
+    in_table = (positions >= 0) & (positions < MAX_POSITION)
+    written = in_cache & in_table if fused else in_cache
+    assert int(written.sum()) == (3 if fused else 6)
+    cs = cos_sin_cache(64, MAX_POSITION, 1e4, device="cuda")
+    kv_a, q, _, weight = make_inputs(len(OUT_OF_RANGE_TOKENS), dtype, "cuda", gen, row_stride=640)
+    for arch in arch_cases(dtype):
+        storage = poison_like(torch.empty(8, 16, 576, dtype=dtype, device="cuda"), gen)
+        cache = storage[1:-1]
+        before, q_arch = storage.clone(), q.clone()
+        write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch)
+        expect = before.clone()
+        target_rows = cache.reshape(-1, 576)[slots[written]]
+        if fused:
+            ref64, q64 = before[1:-1].double(), q.double()
+            reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64, slots,
+                                     q=q64)
+            assert_close_rows(target_rows, ref64.view(-1, 576)[slots[written]], dtype, f"arch={arch} rows")
+            assert_close_rows(q_arch[in_table], q64[in_table], dtype, f"arch={arch} q")
+            assert same_bytes(q_arch[~in_table], q[~in_table]), f"arch={arch}: q of a skipped token changed"
+            expect[1:-1].view(-1, 576)[slots[written]] = target_rows
+        else:
+            expect[1:-1].view(-1, 576)[slots[written]] = kv_a[written]
+        assert same_bytes(storage, expect), f"arch={arch}: bytes outside the written rows changed"
+        with pytest.raises(ValueError, match="slot_mapping"):
+            write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch, validate=True)
+        if fused:  # slots in range: the positions are checked next
+            with pytest.raises(ValueError, match="positions"):
+                write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots.where(in_cache, -1), q=q_arch,
+                           arch=arch, validate=True)
+        torch.cuda.synchronize()
+        assert same_bytes(storage, expect), f"arch={arch}: a call that failed validation wrote"
 
 
 def make_block_batch(q_lens, hist, block_seq_len, num_blocks, gen, spare_blocks=0):
@@ -176,17 +239,9 @@ def test_fused_write_kv_blocks(dtype, rope_first, block_seq_len):
         mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-5, positions, cs, cache, cu_q.cuda(),
                                      hist_t.cuda(), q=q, arch=arch, validate=True)
         slots = block_slots(cu_q, hist_t, cu_blocks, ids, block_seq_len).cuda()
-        ref_layer = torch.empty(64, block_seq_len, 576, dtype=torch.float64, device="cuda")
         layer_before = before[:, 1]
-        ref_layer.copy_(layer_before if not rope_first else
-                        torch.cat([layer_before[..., 64:], layer_before[..., :64]], -1))
-        reference.fused_write_kv(kv_a.double(), weight.double(), 1e-5, positions, cs.double(), ref_layer,
-                                 slots)
-        if rope_first:
-            ref_layer = to_rope_first(ref_layer)
-        written = torch.zeros(64 * block_seq_len, dtype=torch.bool, device="cuda")
-        written[slots[slots >= 0]] = True
-        written = written.view(64, block_seq_len)
+        ref_layer = fused_reference_layer(layer_before, rope_first, kv_a, weight, 1e-5, positions, cs, slots)
+        written = slot_mask(slots, 64, block_seq_len)
         got = pool.storage[:, 1]
         for layer in (0, 2):
             assert torch.equal(pool.storage[:, layer], before[:, layer]), f"arch={arch}: layer {layer} touched"
@@ -197,24 +252,122 @@ def test_fused_write_kv_blocks(dtype, rope_first, block_seq_len):
 
 
 @GPU
-def test_write_kv_blocks_exact_and_skips_tokens_past_batch():
-    gen = torch.Generator().manual_seed(5)
-    dtype = torch.float16
-    q_lens, hist = [3, 70], [60, 0]
-    ids, cu_blocks, cu_q, hist_t = make_block_batch(q_lens, hist, 64, 16, gen)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused", [False, True])
+def test_block_pointer_writes_skip_positions_past_the_blocks(dtype, fused):
+    """Tokens whose position (history + i) lies past their sequence's blocks, the tokens of a sequence
+    without blocks, input rows past cu_q_lens[B] and (fused) a rope position outside the table write
+    nothing; the other layers, the blocks nobody owns and the unwritten rows keep their bytes.
+    validate=True raises and writes nothing."""
+    gen = torch.Generator().manual_seed(41 + fused)
+    block_seq_len, num_blocks = 32, 12
+    # sequence 0: position 64 is past its 2 blocks; 1: no blocks; 2: all fit; 3: position 32 past its block
+    q_lens, hist, counts = [5, 3, 40, 2], [60, 0, 10, 31], [2, 0, 2, 1]
+    ids = torch.randperm(num_blocks, generator=gen)[:sum(counts)]
+    cu_blocks = torch.tensor([0] + counts).cumsum(0).int()
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+    hist_t = torch.tensor(hist, dtype=torch.int32)
     total = int(cu_q[-1])
+    kv_a, q, positions, weight = make_inputs(total + 6, dtype, "cuda", gen, row_stride=640,
+                                             max_position=MAX_POSITION)  # 6 rows past the batch
+    positions[20] = MAX_POSITION  # a token of sequence 2
+    cs = cos_sin_cache(64, MAX_POSITION, 1e4, device="cuda")
+    slots = block_slots(cu_q, hist_t, cu_blocks, ids, block_seq_len).cuda()
+    written = (slots >= 0) & (positions[:total] < MAX_POSITION) if fused else slots >= 0
+    assert int(written.sum()) == 4 + 40 + 1 - fused
+    blk, off = slots[written] // block_seq_len, slots[written] % block_seq_len
     for arch in arch_cases(dtype):
-        pool = BlockPool(16, 2, 64, dtype, "cuda")
+        pool = BlockPool(num_blocks, 3, block_seq_len, dtype, "cuda")
         pool.storage.copy_(poison_like(pool.storage, gen))
-        want = pool.storage[:, 0].clone()
-        kv_c = torch.randn(total + 9, 512, generator=gen).to("cuda", dtype)  # 9 rows past the batch
-        k_pe = torch.randn(total + 9, 64, generator=gen).to("cuda", dtype)
-        mla_kv.write_kv_blocks(kv_c, k_pe, pool.cache(0, ids, cu_blocks), cu_q.cuda(), hist_t.cuda(),
-                               arch=arch)
-        slots = block_slots(cu_q, hist_t, cu_blocks, ids, 64).cuda()
-        flat = want.view(-1, 576)
-        flat[slots] = to_rope_first(torch.cat([kv_c[:total], k_pe[:total]], -1))
-        assert torch.equal(pool.storage[:, 0], want)
+        before, q_arch = pool.storage.clone(), q.clone()
+        cache = pool.cache(1, ids, cu_blocks)
+        write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch)
+        expect = before.clone()
+        got_rows = pool.storage[:, 1][blk, off]
+        if fused:
+            q64 = q.double()
+            ref = fused_reference_layer(before[:, 1], True, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
+            assert_close_rows(got_rows, ref[blk, off], dtype, f"arch={arch} block rows")
+            rotated = positions < MAX_POSITION
+            assert_close_rows(q_arch[:total][rotated[:total]], q64[:total][rotated[:total]], dtype, f"arch={arch} q")
+            assert same_bytes(q_arch[20], q[20]), f"arch={arch}: q of the token outside the rope table changed"
+            expect[:, 1][blk, off] = got_rows
+        else:
+            expect[:, 1][blk, off] = to_rope_first(kv_a[:total][written])
+        assert same_bytes(pool.storage, expect), f"arch={arch}: bytes outside the written rows changed"
+        with pytest.raises(ValueError, match="cache.cu_block_nums"):
+            write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch,
+                       validate=True)
+        torch.cuda.synchronize()
+        assert same_bytes(pool.storage, expect), f"arch={arch}: a call that failed validation wrote"
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("addressing", ["paged", "blocks"])
+def test_writes_of_zero_huge_and_subnormal_rows_at_the_last_rope_position(dtype, addressing, ulp_distance):
+    """Rows (and q_pe) of zeros, of magnitude ~1e4 and of subnormals, and one 1e4 latent with a
+    subnormal rope part, all at rope position max_position - 1: write_kv stores them bit for bit;
+    fused_write_kv's results (no NaN, no overflow, subnormals not flushed) are within 1 ulp of the
+    float64 reference for 16-bit dtypes (their cos/sin table makes the rope products exact in fp32,
+    so only the final rounding differs) and within TOL row by row for fp32."""
+    gen = torch.Generator().manual_seed(53)
+    max_position = 4096
+    cs = cos_sin_cache(64, max_position, 1e4, dtype=dtype, device="cuda")
+    tiny = torch.finfo(dtype).smallest_normal
+
+    def special_rows(width):
+        """Zeros, +-1e4 .. 1.5e4, +-(0.25 .. 0.75) x the smallest normal, the last two halves mixed."""
+        sign = torch.randint(0, 2, (width,), generator=gen) * 2 - 1
+        huge = sign * 1e4 * (1 + 0.5 * torch.rand(width, generator=gen))
+        subnormal = sign * tiny * (0.25 + 0.5 * torch.rand(width, generator=gen))
+        mixed = torch.cat([huge[:width - 64], subnormal[width - 64:]])
+        return torch.stack([torch.zeros(width), huge, subnormal, mixed]).to("cuda", dtype)
+
+    kv_a = special_rows(576)
+    q = torch.cat([torch.randn(4, 2, 128, generator=gen).to("cuda", dtype),
+                   torch.stack([special_rows(64), special_rows(64)], 1)], -1)
+    positions = torch.full((4,), max_position - 1, device="cuda")
+    weight = (torch.rand(512, generator=gen) + 0.5).to("cuda", dtype)
+    num_blocks, block_size = 4, 16
+    cu_q, hist = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([13], dtype=torch.int32)
+    ids, cu_blocks = torch.tensor([2, 0]), torch.tensor([0, 2], dtype=torch.int32)
+    slots = (torch.tensor([3, 20, 37, 63]) if addressing == "paged" else
+             block_slots(cu_q, hist, cu_blocks, ids, block_size)).cuda()  # blocks: positions 13..16
+    blk, off = slots // block_size, slots % block_size
+    rope_first = addressing == "blocks"  # BlockPool's default row order
+
+    def assert_rounded_like(got, want64, what):
+        if dtype == torch.float32:
+            for i in range(got.shape[0]):
+                assert_close_rows(got[i], want64[i], dtype, f"{what} row {i}")
+        else:
+            distance = ulp_distance(got, want64.to(dtype))
+            assert int(distance.max()) <= 1, f"{what}: {int(distance.max())} ulp from the reference"
+
+    for arch in arch_cases(dtype):
+        for fused in (False, True):
+            if addressing == "paged":
+                layer = cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
+            else:
+                pool = BlockPool(num_blocks, 1, block_size, dtype, "cuda")
+                pool.storage.copy_(poison_like(pool.storage, gen))
+                layer, cache = pool.storage[:, 0], pool.cache(0, ids, cu_blocks)
+            before, q_arch = layer.clone(), q.clone()
+            write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, cu_q=cu_q, hist=hist, q=q_arch,
+                       arch=arch)
+            stored, what = layer[blk, off], f"arch={arch} fused={fused}"
+            if fused:
+                q64 = q.double()
+                ref = fused_reference_layer(before, rope_first, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
+                assert_rounded_like(stored, ref[blk, off], f"{what} rows")
+                assert_rounded_like(q_arch.flatten(0, 1), q64.flatten(0, 1), f"{what} q")
+                assert (stored[0] == 0).all() and (q_arch[0, :, 128:] == 0).all(), f"{what}: zeros not kept"
+            else:
+                assert same_bytes(stored, to_rope_first(kv_a) if rope_first else kv_a), \
+                    f"{what}: rows not stored bit for bit"
+            written = slot_mask(slots, num_blocks, block_size)
+            assert same_bytes(layer[~written], before[~written]), f"{what}: other rows changed"
 
 
 @GPU

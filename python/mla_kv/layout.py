@@ -117,8 +117,8 @@ def block_slots(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cu_block_nu
     """Slot mapping (into a pool layer view) of the packed new tokens of a block-pointer batch.
 
     Token i of sequence b sits at position history_lens[b] + i, in block
-    block_ids[cu_block_nums[b] + position // block_seq_len]. Positions past a sequence's blocks
-    map to -1 (the kernels skip them). Runs on the host; for references and validation.
+    block_ids[cu_block_nums[b] + position // block_seq_len]. Negative positions and positions past
+    a sequence's blocks map to -1 (the kernels skip them). Runs on the host; for references and validation.
     """
     cu_q, hist = cu_q_lens.cpu().long(), history_lens.cpu().long()
     cu_b, ids = cu_block_nums.cpu().long(), block_ids.cpu().long()
@@ -127,7 +127,7 @@ def block_slots(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cu_block_nu
         pos = hist[b] + torch.arange(int(cu_q[b + 1] - cu_q[b]))
         blk = pos // block_seq_len
         nblocks = int(cu_b[b + 1] - cu_b[b])
-        ok = blk < nblocks
+        ok = (pos >= 0) & (blk < nblocks)
         s = torch.full_like(pos, -1)
         s[ok] = ids[cu_b[b] + blk[ok]] * block_seq_len + pos[ok] % block_seq_len
         slots.append(s)

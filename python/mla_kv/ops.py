@@ -5,8 +5,9 @@ TypeError naming the bad argument. CUDA tensors go to the compiled kernels; CPU 
 pure-PyTorch reference (mla_kv.reference), which is also the specification of each op.
 
 Bounds that need device data (slot values, positions, block-table lengths) are checked only with
-``validate=True`` (a host synchronization); without it the kernels skip out-of-range rows instead of
-writing outside the cache. Ops do no host synchronization or allocation otherwise, so they can be
+``validate=True`` (a host synchronization); without it the kernels never read or write outside the
+cache and the outputs: writes skip out-of-range rows, gather leaves the rows it cannot find untouched,
+and attention reads a position with no block as a zero row (a finite but unspecified result). Ops do no host synchronization or allocation otherwise, so they can be
 captured in CUDA graphs.
 """
 from __future__ import annotations
@@ -349,7 +350,10 @@ def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: flo
                           cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
                           rope_style: str = "interleaved", q: Optional[torch.Tensor] = None,
                           validate: bool = False, arch: Optional[str] = None) -> None:
-    """fused_write_kv over TurboMind-style block pointers; addressing as in write_kv_blocks."""
+    """fused_write_kv over TurboMind-style block pointers; addressing as in write_kv_blocks.
+
+    q's rope part is rotated for every input row whose position lies in the rope table, also for
+    rows past cu_q_lens[B] (a padded batch) and rows whose cache position is skipped."""
     _tensor("kv_a", kv_a, dims=2, last_contiguous=True)
     _check_blocks(cache, cu_q_lens, history_lens, kv_a.dtype)
     eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
@@ -550,11 +554,17 @@ def _check_attention_inputs(q, cache, block_table, batch, device_tensors):
         if cache.dtype != q.dtype:
             raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
         _check_block_table(block_table, batch)
-    for name, t in (("q", q), ("kv_cache", None if isinstance(cache, BlockPointerCache) else cache)):
-        if t is not None and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1])):
-            raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
-                             f"elements (got strides {t.stride()})")
+    _check_vector_aligned("q", q)
+    if not isinstance(cache, BlockPointerCache):
+        _check_vector_aligned("kv_cache", cache)
     return _same_device(**device_tensors)
+
+
+def _check_vector_aligned(name, t) -> None:
+    """The attention kernels move q, cache and out rows in 16-byte vectors."""
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
+                         f"elements (got strides {t.stride()})")
 
 
 def _check_blocks_read(cache, dtype, batch) -> None:
@@ -591,6 +601,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
         q=q, seq_lens=seq_lens, kv_cache=None if blocks else kv_cache,
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, device)
+    _check_vector_aligned("out", out)
     lse = _result_tensor("lse", lse, (batch, s_q, heads), _lse_dtype(q), device)
     have = size = None
     if validate:
@@ -647,6 +658,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
         q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, kv_cache=None if blocks else kv_cache,
         block_table=None if blocks else block_table))
     out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
+    _check_vector_aligned("out", out)
     lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
     have = size = None
     if validate:

@@ -78,7 +78,7 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   // (16-row CTAs of the Sm80 kernel run two per SM.)
   const int64_t slots = int64_t(sm_count) * (block_m == 16 && arch != Arch::kSm70 && arch != Arch::kSm75 ? 2 : 1);
   int splits = 1;
-  if (2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)
+  if (ctas > 0 && 2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)  // (an empty batch: nothing to split)
     splits = std::max(1, std::min<int>(int(slots / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));
   int tokens = ceil_div(std::max<int64_t>(max_kv_len, 1), splits);
   tokens = ceil_div(tokens, kTileTokens) * kTileTokens;

@@ -1,0 +1,757 @@
+"""Cases of every op, run against the float64 reference with canary bytes around every tensor.
+
+Shared by tests/test_sweep.py (seeded random cases) and scripts/sanitize_calls.py (one hand-made
+case per op x kernel variant under compute-sanitizer). A case is a dataclass that fixes everything
+but the random data; ``run(case, device, seed)`` builds the inputs from generators seeded by
+``seed``, calls the op and returns an Outcome: the mismatches against the reference and the number
+of canary bytes the call changed.
+
+Canaries: every tensor a call gets lies inside a larger buffer of random bytes, padded in some dims
+(so it is a strided view) and followed by CANARY_BYTES. Afterwards every byte of the buffer must be
+unchanged except the elements the op writes: a read op's cache and all inputs stay untouched, and so
+do prefill's out/lse rows past cu_q_lens[B] and gather's rows past the total. The caches of read ops
+hold NaN (or random rows) wherever no sequence reads (past sequence ends, unused blocks, other
+layers), so a read of them shows. All data is initialized (compute-sanitizer's initcheck sees only
+what the ops themselves leave unwritten).
+
+Tolerances: attention and merge rows (sequence, query, head) as gpu_checks.check_attention
+judges them; plain writes and gathers bit for bit; fused writes within ULPS spacings of the float64
+result (plus fp32 rounding of the inputs' magnitude, for a rotation whose terms cancel).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+import gpu_checks
+import mla_kv
+from mla_kv import parallel, reference
+from mla_kv.layout import BlockPool, block_slots, to_latent_first, to_rope_first
+from mla_kv.rope import cos_sin_cache
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CANARY_BYTES = 256
+MERGE_LSE_TOL = 1e-5  # merge_states' lse is fp32 math on its inputs
+ULPS = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 32}
+FP32_SLACK = 2.0 ** -21  # a few fp32 roundings of the largest input of a rotated row
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---------------------------------------------------------------------------------- canaries
+class Canaries:
+    """Makes every tensor of a call inside its own buffer of random bytes (see the module docstring)."""
+
+    def __init__(self, device, gen: torch.Generator):
+        self.device, self.gen = torch.device(device), gen
+        self._buffers: List[torch.Tensor] = []
+        self._initial: List[torch.Tensor] = []
+
+    def tensor(self, shape, dtype, pad=(), offset=()) -> torch.Tensor:
+        """A ``shape`` view into a buffer of dims offset + shape + pad (per dim, default 0) and the
+        tail; its elements start as random bytes like the rest (NaN and all, for outputs)."""
+        pad = tuple(pad) + (0,) * (len(shape) - len(pad))
+        offset = tuple(offset) + (0,) * (len(shape) - len(offset))
+        full = [o + s + p for o, s, p in zip(offset, shape, pad)]
+        nbytes = math.prod(full) * torch.empty((), dtype=dtype).element_size()
+        buffer = torch.randint(0, 256, (nbytes + CANARY_BYTES,), dtype=torch.uint8, generator=self.gen,
+                               device=self.device)
+        self._buffers.append(buffer)
+        return buffer[:nbytes].view(dtype).view(full)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+    def arm(self) -> None:
+        """Snapshots every buffer: call after filling the inputs, right before the op."""
+        self._initial = [b.clone() for b in self._buffers]
+
+    def changed_bytes(self, *written: torch.Tensor) -> int:
+        """Bytes that differ from the snapshot, except the elements of ``written`` (views of these
+        tensors that the op may write; the caller checks their values)."""
+        changed = 0
+        for buffer, initial in zip(self._buffers, self._initial):
+            expected = initial.clone()
+            for w in written:
+                if w is None or not w.numel() or w.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+                    continue
+                dst = expected.view(w.dtype).as_strided(w.shape, w.stride(), w.storage_offset())
+                dst.view(torch.uint8).copy_(w.view(torch.uint8))
+            changed += int((expected != buffer).sum())
+        return changed
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as same-size integers (a contiguous copy): equality is bit equality, NaN included."""
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def generators(device, seed: int):
+    """(device generator for data, host generator for permutations), both seeded by ``seed``."""
+    return torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed)
+
+
+def randn(shape, gen, device, scale=1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device) * scale
+
+
+# ------------------------------------------------------------------------------------ checks
+@dataclass
+class Outcome:
+    problems: List[str] = field(default_factory=list)
+    canary_bytes: int = 0
+    fatal: bool = False  # the CUDA context may be gone: later calls cannot be trusted
+
+
+def attention_problems(what, out, lse, ref_out, ref_lse, **tolerances) -> List[str]:
+    """gpu_checks.check_attention's verdict on every (sequence, query, head) row, as a list."""
+    try:
+        gpu_checks.check_attention(out, lse, ref_out, ref_lse, what, **tolerances)
+    except AssertionError as error:
+        return [str(error)]
+    return []
+
+
+def spacing(x: torch.Tensor, dtype) -> torch.Tensor:
+    """The gap between adjacent ``dtype`` values at |x| (float64 x; subnormal spacing near 0)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(x)
+    exponent = torch.where(x == 0, int(math.log2(info.tiny)), exponent - 1).clamp_min(int(math.log2(info.tiny)))
+    return torch.ldexp(torch.full_like(x, info.eps), exponent)
+
+
+def rounding_problems(what, got, want, magnitude) -> List[str]:
+    """got (a float dtype) against the float64 ``want``: within ULPS spacings of want, or within
+    fp32 rounding of ``magnitude`` (per element, broadcast) where a rotation cancels."""
+    if not got.numel():
+        return []
+    err = (got.double() - want).abs()
+    allowed = ULPS[got.dtype] * spacing(want, got.dtype) + FP32_SLACK * magnitude
+    bad = ~(err <= allowed)
+    if not bad.any():
+        return []
+    worst = int(torch.where(bad, err, -1.0).flatten().argmax())
+    return [f"{what}: {int(bad.sum())} of {got.numel()} values beyond {ULPS[got.dtype]} ulp; worst at flat index "
+            f"{worst}: {float(got.flatten()[worst])!r} vs {float(want.flatten()[worst])!r}"]
+
+
+def unchanged_problems(what, got, before, keep=None) -> List[str]:
+    """Elements of got that must equal ``before`` bit for bit (where ``keep``, default all)."""
+    differ = bits(got) != bits(before)
+    if keep is not None:
+        differ &= keep
+    n = int(differ.sum())
+    return [f"{what}: {n} elements changed that must not"] if n else []
+
+
+def _context_lost(device: torch.device) -> bool:
+    """After an error: whether the CUDA context is gone (a sticky error), so later calls would fail too."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        return True
+    return False
+
+
+def _call(fn, expect: Optional[str], canaries: Canaries):
+    """(result, None) of fn(), synchronized; or (None, Outcome) when it raised (expected: a type
+    name and a part of the message, "TypeError: bfloat16", with nothing written) or did not raise
+    as expected."""
+    canaries.arm()
+    try:
+        result = fn()
+        if canaries.device.type == "cuda":
+            torch.cuda.synchronize(canaries.device)
+    except Exception as error:  # noqa: BLE001 - every failure of the op becomes a reported problem
+        kind, _, part = (expect or "").partition(":")
+        if expect and type(error).__name__ == kind and part.strip() in str(error):
+            return None, Outcome([], canaries.changed_bytes())
+        message = f"raised {type(error).__name__}: {str(error)[:300]}" + (f" (expected {expect})" if expect else "")
+        return None, Outcome([message], canaries.changed_bytes(), fatal=_context_lost(canaries.device))
+    if expect:
+        return None, Outcome([f"expected {expect}, the call returned"], canaries.changed_bytes())
+    return result, None
+
+
+# ------------------------------------------------------------------------------------ caches
+@dataclass
+class CacheSpec:
+    """The cache a read op (decode, prefill, gather_kv) gets."""
+
+    blocks: bool = False        # a BlockPointerCache over a layout.BlockPool, else a paged tensor + table
+    block_size: int = 64
+    shared_blocks: int = 0      # leading blocks every sequence shares (a common prefix)
+    spare_blocks: int = 2       # blocks no sequence uses
+    extra_blocks: int = 0       # paged: table entries past the longest sequence; pointers: blocks a sequence has
+    #                             past its end
+    table_poison: str = "oob"   # paged entries past a sequence's blocks: "oob" (an id past the cache), "neg" (-1),
+    #                             "any" (a random id)
+    nan_poison: bool = True     # rows no sequence reads hold NaN (else random values)
+    row_pad: int = 0            # paged: elements after each row (multiple of 8)
+    block_pad: int = 0          # rows after each block (paged) / after each layer of a block (pool)
+    table_pad: int = 0          # paged: entries after each table row
+    layers: int = 1             # pool only
+    layer: int = 0
+    rope_first: bool = True
+
+
+class ReadCache:
+    """A cache whose sequence b holds random rows at positions < covers[b], NaN (or random) elsewhere."""
+
+    def __init__(self, spec: CacheSpec, dtype, covers: List[int], device, gen, cpu_gen, canaries: Canaries):
+        self.spec = spec
+        bs = spec.block_size
+        need = [-(-c // bs) for c in covers]
+        shared = min([spec.shared_blocks] + need)
+        extra = spec.extra_blocks if spec.blocks else 0
+        own = [n - shared + extra for n in need]
+        num_blocks = max(1, shared + sum(own) + spec.spare_blocks)
+        perm = torch.randperm(num_blocks, generator=cpu_gen)
+        starts = torch.tensor([0] + own).cumsum(0).tolist()
+        lists = [torch.cat([perm[:shared], perm[shared + starts[b]:shared + starts[b + 1]]])
+                 for b in range(len(covers))]
+        seq = torch.repeat_interleave(torch.arange(len(covers)), torch.tensor(covers, dtype=torch.long))
+        pos = torch.arange(len(seq)) - torch.tensor([0] + covers).cumsum(0)[:-1][seq] if len(seq) else seq
+        if spec.blocks:
+            self.ids = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.long)
+            self.cu_blocks = torch.tensor([0] + [len(x) for x in lists]).cumsum(0).to(torch.int32)
+            covered_block = self.ids[self.cu_blocks.long()[seq] + pos // bs] if len(seq) else seq
+            storage = canaries.tensor((num_blocks, spec.layers, bs, 576), dtype, pad=(0, 0, spec.block_pad))
+            storage.copy_(randn(storage.shape, gen, device, 0.5))
+            self.pool = BlockPool(0, spec.layers, bs, dtype, device, rope_first=spec.rope_first)
+            self.pool.storage = storage  # the pool's rows inside a canaried buffer
+            rows = storage[:, spec.layer]
+            if spec.nan_poison:
+                for other in range(spec.layers):
+                    if other != spec.layer:
+                        storage[:, other] = float("nan")
+            self.kv_cache, self.block_table = self.pool.cache(spec.layer, self.ids, self.cu_blocks), None
+            self.cache_args = (self.pool, spec.layer, self.ids, self.cu_blocks)
+        else:
+            width = max(need + [1]) + spec.extra_blocks
+            poison = {"oob": torch.full((len(covers), width), num_blocks + 7),
+                      "neg": torch.full((len(covers), width), -1),
+                      "any": torch.randint(0, num_blocks, (len(covers), width), generator=cpu_gen)}[spec.table_poison]
+            table = poison.to(torch.int32)
+            for b, ids in enumerate(lists):
+                table[b, :len(ids)] = ids.to(torch.int32)
+            covered_block = table.long()[seq, pos // bs] if len(seq) else seq
+            self.block_table = canaries.tensor(table.shape, torch.int32, pad=(0, spec.table_pad))
+            self.block_table.copy_(table)
+            rows = canaries.tensor((num_blocks, bs, 576), dtype, pad=(0, spec.block_pad, spec.row_pad))
+            rows.copy_(randn(rows.shape, gen, device, 0.5))
+            self.kv_cache = rows
+            self.cache_args = (rows, self.block_table)
+        if spec.nan_poison:
+            covered = torch.zeros(num_blocks, bs, dtype=torch.bool)
+            covered[covered_block, pos % bs] = True
+            rows[~covered.to(device)] = float("nan")
+        self.block_counts = [len(x) for x in lists]
+
+    def reference(self, name: str, *args, **kwargs):
+        """reference.<name> (its _blocks form for block pointers) with the cache arguments placed
+        after args[:1] for decode/prefill (q first) and first for gather_kv."""
+        fn = getattr(reference, name + ("_blocks" if self.spec.blocks else ""))
+        if name == "gather_kv":
+            return fn(*self.cache_args, *args, **kwargs)
+        return fn(args[0], *self.cache_args, *args[1:], **kwargs)
+
+
+def _plan(case, canaries, q, cache: "ReadCache", packed_batch=None):
+    """(schedule, workspace) a case passes: hand-made (splits, granularity) covering what the op
+    checks, or the op's own plan (gpu_checks.default_schedule) when only a workspace is given, as a
+    CUDA-graph caller plans; (None, None) lets the op plan and allocate. The CPU path (the reference)
+    takes neither."""
+    if q.device.type != "cuda" or (case.schedule is None and not case.give_workspace):
+        return None, None
+    heads, total = q.shape[-2], q.shape[0] * (q.shape[1] if packed_batch is None else 1)
+    if case.schedule is not None:
+        splits, granularity = case.schedule
+        # The paged table's width, or the longest block list for block pointers (validate=True checks it).
+        cover = max(cache.block_counts + [1]) if case.cache.blocks else cache.block_table.shape[1]
+        tokens = -(-cover * case.cache.block_size // splits)
+        schedule = gpu_checks.split_schedule(splits, -(-tokens // granularity) * granularity, total, heads)
+    else:
+        schedule = gpu_checks.default_schedule(q, cache.kv_cache, cache.block_table, packed_batch=packed_batch,
+                                               arch=case.arch)
+    workspace = canaries.tensor((schedule.workspace_bytes,), torch.uint8) if case.give_workspace else None
+    return schedule, workspace
+
+
+# --------------------------------------------------------------------------------- attention
+@dataclass
+class DecodeCase:
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    lens: List[int] = field(default_factory=lambda: [5, 70])
+    s_q: int = 1
+    heads: int = 8
+    scale: float = 0.0625
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    q_pad: Tuple[int, ...] = (0, 0, 0, 0)   # per dim; the last a multiple of 8
+    give_out: bool = False
+    out_pad: Tuple[int, ...] = (0, 0, 0, 0)  # the last a multiple of 8 (see the sweep's notes on out alignment)
+    lse_pad: Tuple[int, ...] = (0, 0, 0)
+    schedule: Optional[Tuple[int, int]] = None  # (splits, token granularity) forced; None: the op's plan
+    give_workspace: bool = False
+    validate: bool = False
+    expect_error: Optional[str] = None  # "TypeError: part of the message" when the call must be refused
+
+
+def run_decode(case: DecodeCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    batch, s_q, heads = len(case.lens), case.s_q, case.heads
+    cache = ReadCache(case.cache, dtype, case.lens, device, gen, cpu_gen, can)
+    q = can.tensor((batch, s_q, heads, 576), dtype, pad=case.q_pad)
+    q.copy_(randn(q.shape, gen, device))
+    seq_lens = can.tensor((batch,), torch.int32)
+    seq_lens.copy_(torch.tensor(case.lens, dtype=torch.int32))
+    out = lse = None
+    if case.give_out:
+        out = can.tensor((batch, s_q, heads, 512), dtype, pad=case.out_pad)
+        lse = can.tensor((batch, s_q, heads), torch.float32, pad=case.lse_pad)
+    schedule, workspace = _plan(case, can, q, cache)
+    result, failed = _call(lambda: mla_kv.decode(q, cache.kv_cache, cache.block_table, seq_lens, case.scale, out=out,
+                                                 lse=lse, workspace=workspace, schedule=schedule,
+                                                 validate=case.validate, arch=case.arch), case.expect_error, can)
+    if failed:
+        return failed
+    ref_out, ref_lse = cache.reference("decode", q.double(), seq_lens, case.scale)
+    problems = attention_problems("decode", *result, ref_out, ref_lse)
+    return Outcome(problems, can.changed_bytes(out, lse, workspace))
+
+
+@dataclass
+class PrefillCase:
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    q_lens: List[int] = field(default_factory=lambda: [5, 1])
+    kv_lens: List[int] = field(default_factory=lambda: [5, 70])
+    pad_rows: int = 0           # q/out/lse rows past cu_q_lens[B] (a padded graph batch): untouched
+    causal: bool = True
+    heads: int = 8
+    scale: float = 0.0625
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    q_pad: Tuple[int, ...] = (0, 0, 0)
+    give_out: bool = False
+    out_pad: Tuple[int, ...] = (0, 0, 0)
+    lse_pad: Tuple[int, ...] = (0, 0)
+    schedule: Optional[Tuple[int, int]] = None
+    give_workspace: bool = False
+    validate: bool = False
+    expect_error: Optional[str] = None
+
+
+def run_prefill(case: PrefillCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    batch, heads = len(case.kv_lens), case.heads
+    packed = sum(case.q_lens)
+    tokens = packed + case.pad_rows
+    cache = ReadCache(case.cache, dtype, case.kv_lens, device, gen, cpu_gen, can)
+    q = can.tensor((tokens, heads, 576), dtype, pad=case.q_pad)
+    q.copy_(randn(q.shape, gen, device))
+    cu_q = can.tensor((batch + 1,), torch.int32)
+    cu_q.copy_(torch.tensor([0] + case.q_lens).cumsum(0))
+    kv_lens = can.tensor((batch,), torch.int32)
+    kv_lens.copy_(torch.tensor(case.kv_lens, dtype=torch.int32))
+    out = lse = None
+    if case.give_out:
+        out = can.tensor((tokens, heads, 512), dtype, pad=case.out_pad)
+        lse = can.tensor((tokens, heads), torch.float32, pad=case.lse_pad)
+    schedule, workspace = _plan(case, can, q, cache, packed_batch=batch)
+    result, failed = _call(lambda: mla_kv.prefill(q, cache.kv_cache, cache.block_table, cu_q, kv_lens, case.scale,
+                                                  causal=case.causal, out=out, lse=lse, workspace=workspace,
+                                                  schedule=schedule, validate=case.validate, arch=case.arch),
+                           case.expect_error, can)
+    if failed:
+        return failed
+    ref_out, ref_lse = cache.reference("prefill", q[:packed].double(), cu_q, kv_lens, case.scale, causal=case.causal)
+    got_out, got_lse = result
+    problems = attention_problems("prefill", got_out[:packed], got_lse[:packed], ref_out, ref_lse, cu_q_lens=cu_q)
+    written = (None, None) if out is None else (out[:packed], lse[:packed])
+    return Outcome(problems, can.changed_bytes(*written, workspace))
+
+
+@dataclass
+class MergeCase:
+    dtype: str = "float16"
+    shape: Tuple[int, ...] = (3, 7)  # the leading dims; rows = their product
+    dim: int = 512
+    pads: Tuple[int, int, int] = (0, 0, 0)  # elements after each row of out_a, out_b, out
+    give_out: bool = False
+    neg_inf_rate: float = 0.1  # of each side's lse
+    nan_where_unseen: bool = True  # a side with lse -inf holds NaN: it must not be read
+
+
+def run_merge(case: MergeCase, device, seed: int) -> Outcome:
+    dtype, (gen, _) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    lead = len(case.shape)
+    states = []
+    for pad in case.pads[:2]:
+        out = can.tensor((*case.shape, case.dim), dtype, pad=(0,) * lead + (pad,))
+        lse = can.tensor(case.shape, torch.float32)
+        lse.copy_(randn(case.shape, gen, device, 4.0))
+        unseen = torch.rand(case.shape, generator=gen, device=device) < case.neg_inf_rate
+        lse[unseen] = -math.inf
+        out.copy_(randn(out.shape, gen, device))
+        if case.nan_where_unseen:
+            out[unseen] = math.nan
+        states += [out, lse]
+    out = lse = None
+    if case.give_out:
+        out = can.tensor((*case.shape, case.dim), dtype, pad=(0,) * lead + (case.pads[2],))
+        lse = can.tensor(case.shape, torch.float32)
+    result, failed = _call(lambda: mla_kv.merge_states(*states, out=out, lse=lse), None, can)
+    if failed:
+        return failed
+    ref_out, ref_lse = reference.merge_states(*(t.double() for t in states))
+    problems = attention_problems("merge_states", *result, ref_out, ref_lse, lse_tol=MERGE_LSE_TOL)
+    return Outcome(problems, can.changed_bytes(out, lse))
+
+
+# ------------------------------------------------------------------------------------ gather
+@dataclass
+class GatherCase:
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    counts: List[int] = field(default_factory=lambda: [5, 70])
+    starts: Optional[List[int]] = None
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    give_out: bool = False
+    out_extra_rows: int = 0  # rows of out past the total: untouched
+    out_pad: int = 0         # elements after each out row (multiple of 2)
+    validate: bool = False
+    expect_error: Optional[str] = None
+
+
+def run_gather(case: GatherCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    batch, total = len(case.counts), sum(case.counts)
+    first = case.starts or [0] * batch
+    cache = ReadCache(case.cache, dtype, [s + n for s, n in zip(first, case.counts)], device, gen, cpu_gen, can)
+    cu = can.tensor((batch + 1,), torch.int32)
+    cu.copy_(torch.tensor([0] + case.counts).cumsum(0))
+    starts = None
+    if case.starts is not None:
+        starts = can.tensor((batch,), torch.int32)
+        starts.copy_(torch.tensor(case.starts, dtype=torch.int32))
+    out = can.tensor((total + case.out_extra_rows, 576), dtype, pad=(0, case.out_pad)) if case.give_out else None
+    got, failed = _call(lambda: mla_kv.gather_kv(cache.kv_cache, cache.block_table, cu, starts=starts, out=out,
+                                                 validate=case.validate, arch=case.arch), case.expect_error, can)
+    if failed:
+        return failed
+    want = cache.reference("gather_kv", cu, starts=starts)
+    problems = unchanged_problems("gather_kv rows", got[:total], want)
+    if out is None and got.shape[0] != total:
+        problems.append(f"gather_kv: allocated {got.shape[0]} rows for {total}")
+    return Outcome(problems, can.changed_bytes(None if out is None else out[:total]))
+
+
+# ------------------------------------------------------------------------------------- write
+@dataclass
+class RopeSpec:
+    """The fused ops' extra inputs: RMSNorm weight and eps, RoPE table and positions, q."""
+
+    max_position: int = 4096
+    theta: float = 1e4
+    cos_sin_fp32: bool = True
+    style: str = "interleaved"
+    eps: float = 1e-6
+    positions_out_of_range: int = 0  # tokens whose position lies outside the table: left alone
+    q_heads: int = 4                 # 0: no q
+    q_dim: int = 256
+    q_pad: Tuple[int, int, int] = (0, 0, 0)
+
+
+@dataclass
+class WriteCase:
+    """write_kv / fused_write_kv into a paged cache."""
+
+    fused: bool = False
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    tokens: int = 20
+    block_size: int = 16
+    num_blocks: int = 4
+    padded_slots: int = 0   # slots -1
+    slots_past_cache: int = 0  # slots >= capacity: skipped
+    extra_rows: int = 0     # input rows past the tokens
+    input_pad: int = 0      # elements after each input row (multiple of 2; not of 8: the 2-element path)
+    input_offset: int = 0   # elements before each input row (even)
+    cache_pad: Tuple[int, int, int] = (0, 0, 0)  # blocks after the cache, rows after a block, elements after a row
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    validate: bool = False
+    expect_error: Optional[str] = None
+
+
+@dataclass
+class BlockWriteCase:
+    """write_kv_blocks / fused_write_kv_blocks into a block pool."""
+
+    fused: bool = False
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    q_lens: List[int] = field(default_factory=lambda: [3, 70])
+    history: List[int] = field(default_factory=lambda: [60, 0])
+    extra_blocks: List[int] = field(default_factory=lambda: [0, 1])  # per sequence past its need; -1: short
+    block_size: int = 64
+    layers: int = 2
+    layer: int = 1
+    rope_first: bool = True
+    spare_blocks: int = 2
+    layer_pad: int = 0      # rows after each layer of a block
+    extra_rows: int = 0     # input rows past cu_q_lens[B]: no cache row (q is still rotated)
+    input_pad: int = 0
+    input_offset: int = 0
+    positions_from_history: bool = True  # RoPE positions = cache positions, else random
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    validate: bool = False
+    expect_error: Optional[str] = None
+
+
+class _WriteInputs:
+    """Input rows ([kv_c | k_pe] or kv_a), and for fused writes weight, positions, cos/sin and q."""
+
+    def __init__(self, case, rows: int, dtype, device, gen, can: Canaries, positions):
+        pad, offset = (0, case.input_pad), (0, case.input_offset)
+        self.rope = rope = case.rope
+        if not case.fused:
+            self.kv_c = can.tensor((rows, 512), dtype, pad=pad, offset=offset)
+            self.k_pe = can.tensor((rows, 64), dtype, pad=pad, offset=offset)
+            for t in (self.kv_c, self.k_pe):
+                t.copy_(randn(t.shape, gen, device))
+            self.q = None
+            return
+        self.kv_a = can.tensor((rows, 576), dtype, pad=pad, offset=offset)
+        self.kv_a.copy_(randn(self.kv_a.shape, gen, device))
+        self.weight = can.tensor((512,), dtype)
+        self.weight.copy_(torch.rand(512, generator=gen, device=device) + 0.5)
+        self.positions = can.tensor((rows,), torch.int64)
+        self.positions.copy_(positions)
+        bad = torch.randperm(rows, generator=gen, device=device)[:rope.positions_out_of_range]
+        self.positions[bad] = torch.where(torch.arange(len(bad), device=device) % 2 == 0, rope.max_position, -1)
+        table = cos_sin_cache(64, rope.max_position, rope.theta, dtype=torch.float32 if rope.cos_sin_fp32 else dtype,
+                              device=device)
+        self.cos_sin = can.tensor(table.shape, table.dtype)
+        self.cos_sin.copy_(table)
+        self.q = None
+        if rope.q_heads:
+            self.q = can.tensor((rows, rope.q_heads, rope.q_dim), dtype, pad=rope.q_pad)
+            self.q.copy_(randn(self.q.shape, gen, device))
+        self.q_before = None if self.q is None else self.q.clone()
+
+    def fused_args(self):
+        return self.kv_a, self.weight, self.rope.eps, self.positions
+
+    def in_range(self) -> torch.Tensor:
+        return (self.positions >= 0) & (self.positions < self.rope.max_position)
+
+    def reference_fused(self, cache64, slots):
+        """reference.fused_write_kv of the first len(slots) input rows into cache64 -> the rotated q64."""
+        q64 = None if self.q is None else self.q_before.double()
+        reference.fused_write_kv(self.kv_a.double(), self.weight.double(), self.rope.eps, self.positions,
+                                 self.cos_sin.double(), cache64, slots, rope_style=self.rope.style, q=q64)
+        return q64
+
+    def q_problems(self, q64, tokens: int) -> List[str]:
+        """The rotated rope part of q's first ``tokens`` rows (where the position is in range)
+        against the reference; every other element of q unchanged."""
+        if self.q is None:
+            return []
+        rotated = torch.zeros(self.q.shape, dtype=torch.bool, device=self.q.device)
+        rotated[:tokens, :, -64:] = self.in_range()[:tokens, None, None]
+        magnitude = self.q_before[..., -64:].abs().amax(-1, keepdim=True).double()
+        got, want = self.q[..., -64:], q64[..., -64:]
+        keep = rotated[..., -64:]
+        return (rounding_problems("q rope part", got[keep], want[keep], magnitude.expand_as(got)[keep])
+                + unchanged_problems("q outside the rotated part", self.q, self.q_before, ~rotated))
+
+
+def _written_row_problems(what, got_rows, ref_rows, before_rows, written, magnitude) -> List[str]:
+    """Cache rows [N, 576]: the written ones against the float64 reference, the others unchanged."""
+    return (rounding_problems(f"{what} written rows", got_rows[written], ref_rows[written], magnitude)
+            + unchanged_problems(f"{what} unwritten rows", got_rows[~written], before_rows[~written]))
+
+
+def run_write(case: WriteCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    rows, capacity = case.tokens + case.extra_rows, case.num_blocks * case.block_size
+    cache = can.tensor((case.num_blocks, case.block_size, 576), dtype, pad=case.cache_pad)
+    cache.copy_(randn(cache.shape, gen, device, 0.5))
+    chosen = torch.randperm(capacity, generator=cpu_gen)[:case.tokens]
+    odd = torch.randperm(case.tokens, generator=cpu_gen)
+    chosen[odd[:case.padded_slots]] = -1
+    chosen[odd[case.padded_slots:case.padded_slots + case.slots_past_cache]] = capacity + 3
+    slots = can.tensor((case.tokens,), torch.int64)
+    slots.copy_(chosen)
+    positions = torch.randint(0, case.rope.max_position, (rows,), generator=gen, device=device)
+    inputs = _WriteInputs(case, rows, dtype, device, gen, can, positions)
+    before = cache.clone()
+    if case.fused:
+        call = lambda: mla_kv.fused_write_kv(*inputs.fused_args(), inputs.cos_sin, cache, slots,  # noqa: E731
+                                             rope_style=case.rope.style, q=inputs.q, validate=case.validate,
+                                             arch=case.arch)
+    else:
+        call = lambda: mla_kv.write_kv(inputs.kv_c, inputs.k_pe, cache, slots,  # noqa: E731
+                                       validate=case.validate, arch=case.arch)
+    _, failed = _call(call, case.expect_error, can)
+    if failed:
+        return failed
+    got = cache.contiguous().view(-1, 576)
+    if not case.fused:
+        want = before.clone()
+        reference.write_kv(inputs.kv_c, inputs.k_pe, want, slots)
+        problems = unchanged_problems("write_kv cache", got, want.view(-1, 576))
+    else:
+        ref = before.double()
+        q64 = inputs.reference_fused(ref, slots)
+        ok = (slots >= 0) & (slots < capacity) & inputs.in_range()[:case.tokens]
+        written = torch.zeros(capacity, dtype=torch.bool, device=got.device)
+        written[slots[ok]] = True
+        magnitude = torch.zeros(capacity, 1, dtype=torch.float64, device=got.device)
+        magnitude[slots[ok]] = inputs.kv_a[:case.tokens][ok, 512:].abs().amax(-1, keepdim=True).double()
+        problems = _written_row_problems("fused_write_kv cache", got, ref.view(-1, 576), before.view(-1, 576),
+                                         written, magnitude[written])
+        problems += inputs.q_problems(q64, case.tokens)
+    return Outcome(problems, can.changed_bytes(cache, inputs.q))
+
+
+def run_write_blocks(case: BlockWriteCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    bs, batch = case.block_size, len(case.q_lens)
+    packed = sum(case.q_lens)
+    rows = packed + case.extra_rows
+    counts = [max(0, -(-(h + n) // bs) + e) for h, n, e in zip(case.history, case.q_lens, case.extra_blocks)]
+    num_blocks = max(1, sum(counts) + case.spare_blocks)
+    ids = torch.randperm(num_blocks, generator=cpu_gen)[:sum(counts)]
+    cu_blocks = torch.tensor([0] + counts).cumsum(0).to(torch.int32)
+    storage = can.tensor((num_blocks, case.layers, bs, 576), dtype, pad=(0, 0, case.layer_pad))
+    storage.copy_(randn(storage.shape, gen, device, 0.5))
+    pool = BlockPool(0, case.layers, bs, dtype, device, rope_first=case.rope_first)
+    pool.storage = storage  # the pool's rows inside a canaried buffer
+    cache = pool.cache(case.layer, ids, cu_blocks)
+    cu_q = can.tensor((batch + 1,), torch.int32)
+    cu_q.copy_(torch.tensor([0] + case.q_lens).cumsum(0))
+    history = can.tensor((batch,), torch.int32)
+    history.copy_(torch.tensor(case.history, dtype=torch.int32))
+    seq = torch.repeat_interleave(torch.arange(batch), torch.tensor(case.q_lens, dtype=torch.long))
+    cache_positions = torch.tensor(case.history, dtype=torch.long)[seq] + torch.arange(packed) - cu_q.cpu().long()[seq]
+    positions = torch.randint(0, case.rope.max_position, (rows,), generator=gen, device=device)
+    if case.positions_from_history:
+        positions[:packed] = cache_positions.clamp_max(case.rope.max_position - 1).to(device)
+    inputs = _WriteInputs(case, rows, dtype, device, gen, can, positions)
+    before = storage.clone()
+    if case.fused:
+        call = lambda: mla_kv.fused_write_kv_blocks(*inputs.fused_args(), inputs.cos_sin, cache, cu_q,  # noqa: E731
+                                                    history, rope_style=case.rope.style, q=inputs.q,
+                                                    validate=case.validate, arch=case.arch)
+    else:
+        call = lambda: mla_kv.write_kv_blocks(inputs.kv_c, inputs.k_pe, cache, cu_q, history,  # noqa: E731
+                                              validate=case.validate, arch=case.arch)
+    _, failed = _call(call, case.expect_error, can)
+    if failed:
+        return failed
+    slots = block_slots(cu_q, history, cu_blocks, ids, bs).to(device)
+    to_pool_order = to_rope_first if case.rope_first else torch.clone
+    to_reference_order = to_latent_first if case.rope_first else torch.clone
+    layer_before = before[:, case.layer]
+    others = torch.arange(case.layers, device=device) != case.layer
+    problems = unchanged_problems("other layers", storage[:, others], before[:, others])
+    got = storage[:, case.layer].contiguous().view(-1, 576)
+    if not case.fused:
+        want = to_reference_order(layer_before)
+        reference.write_kv(inputs.kv_c, inputs.k_pe, want, slots)
+        problems += unchanged_problems("write_kv_blocks layer", got, to_pool_order(want).reshape(-1, 576))
+    else:
+        ref = to_reference_order(layer_before.double())
+        # Every input row is a token of the kernel: q is rotated past cu_q_lens[B] too (no cache row).
+        padded = torch.full((rows - packed,), -1, dtype=torch.int64, device=device)
+        q64 = inputs.reference_fused(ref, torch.cat([slots, padded]))
+        ok = (slots >= 0) & inputs.in_range()[:packed]
+        written = torch.zeros(got.shape[0], dtype=torch.bool, device=device)
+        written[slots[ok]] = True
+        magnitude = torch.zeros(got.shape[0], 1, dtype=torch.float64, device=device)
+        magnitude[slots[ok]] = inputs.kv_a[:packed][ok, 512:].abs().amax(-1, keepdim=True).double()
+        problems += _written_row_problems("fused_write_kv_blocks layer", got, to_pool_order(ref).reshape(-1, 576),
+                                          layer_before.reshape(-1, 576), written, magnitude[written])
+        problems += inputs.q_problems(q64, rows)
+    return Outcome(problems, can.changed_bytes(storage, inputs.q))
+
+
+@dataclass
+class CpCase:
+    """cp_decode / cp_prefill of all cp ranks in one process: rank r's cache holds the positions
+    p % cp == r of every sequence (local position p // cp); merge_partial_states of the ranks' states
+    against the reference over one cache with every position."""
+
+    prefill: bool = False
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    cp: int = 2
+    kv_lens: List[int] = field(default_factory=lambda: [70, 5])
+    q_lens: List[int] = field(default_factory=lambda: [3, 3])  # decode: all equal (S_q)
+    heads: int = 4
+    block_size: int = 16
+    causal: bool = True
+    scale: float = 0.0625
+
+
+def _paged_rows(can: Canaries, sequences: List[torch.Tensor], block_size: int, cpu_gen):
+    """A paged cache (shuffled blocks, NaN elsewhere) holding each sequence's rows -> (cache, table)."""
+    need = [-(-len(rows) // block_size) for rows in sequences]
+    num_blocks = sum(need) + 1
+    perm = torch.randperm(num_blocks, generator=cpu_gen).to(torch.int32)
+    cache = can.tensor((num_blocks, block_size, 576), sequences[0].dtype)
+    cache.fill_(float("nan"))
+    table = torch.full((len(sequences), max(need) + 1), num_blocks + 7, dtype=torch.int32)
+    taken = 0
+    for b, rows in enumerate(sequences):
+        table[b, :need[b]] = perm[taken:taken + need[b]]
+        taken += need[b]
+        pos = torch.arange(len(rows))
+        cache[table[b, pos // block_size].long(), pos % block_size] = rows
+    return cache, table.to(cache.device)
+
+
+def run_cp(case: CpCase, device, seed: int) -> Outcome:
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    sequences = [randn((n, 576), gen, device, 0.5).to(dtype) for n in case.kv_lens]
+    whole = _paged_rows(can, sequences, case.block_size, cpu_gen)
+    ranks = [_paged_rows(can, [rows[r::case.cp] for rows in sequences], case.block_size, cpu_gen)
+             for r in range(case.cp)]
+    kv_lens = torch.tensor(case.kv_lens, dtype=torch.int32, device=device)
+    cu_q = torch.tensor([0] + case.q_lens, device=device).cumsum(0).to(torch.int32)
+    if case.prefill:
+        q = randn((sum(case.q_lens), case.heads, 576), gen, device).to(dtype)
+        def partial(r):  # noqa: E306
+            return parallel.cp_prefill(q, *ranks[r], cu_q, kv_lens, case.scale, case.cp, r, causal=case.causal,
+                                       arch=case.arch)
+        ref = reference.prefill(q.double(), *whole, cu_q, kv_lens, case.scale, causal=case.causal)
+    else:
+        q = randn((len(case.kv_lens), case.q_lens[0], case.heads, 576), gen, device).to(dtype)
+        def partial(r):  # noqa: E306
+            return parallel.cp_decode(q, *ranks[r], kv_lens, case.scale, case.cp, r, arch=case.arch)
+        ref = reference.decode(q.double(), *whole, kv_lens, case.scale)
+    states, failed = _call(lambda: [partial(r) for r in range(case.cp)], None, can)
+    if failed:
+        return failed
+    out, lse = parallel.merge_partial_states(torch.stack([o for o, _ in states]), torch.stack([l for _, l in states]))
+    what = "cp_prefill" if case.prefill else "cp_decode"
+    return Outcome(attention_problems(what, out, lse, *ref), can.changed_bytes())
+
+
+RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
+           WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp}
+
+
+def run(case, device, seed: int) -> Outcome:
+    """Runs one case on ``device`` with data from ``seed``."""
+    return RUNNERS[type(case)](case, device, seed)
