@@ -173,10 +173,15 @@ def test_gather_large_batch_and_short_out(dtype):
         # a poisoned out of its own: an allocated one may get the memory of the last variant's result
         got = mla_kv.gather_kv(cache, table, cu, starts=starts, out=poison((total, 576), dtype, "cuda", gen), arch=arch)
         assert torch.equal(got.cpu(), want), f"arch={arch}: {total} rows differ"
-        # Without validate an out shorter than total_kv receives its first rows; validate refuses it.
-        short = poison((total - 100, 576), dtype, "cuda", gen)
+        # Without validate an out shorter than total_kv receives its first rows and nothing past its
+        # end (the front of a larger buffer whose tail must keep its bytes); validate refuses it.
+        buffer = poison((total, 576), dtype, "cuda", gen)
+        tail = buffer[total - 100:].clone()
+        short = buffer[:total - 100]
         mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch)
         assert torch.equal(short.cpu(), want[:total - 100]), f"arch={arch}: short out"
+        assert torch.equal(buffer[total - 100:].view(torch.int16), tail.view(torch.int16)), \
+            f"arch={arch}: rows past a short out were written"
         with pytest.raises(ValueError, match="out"):
             mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch, validate=True)
 

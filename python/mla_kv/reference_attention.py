@@ -120,11 +120,14 @@ def _attend(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
     # exp(-inf - (-inf)) would be NaN; a query with no key keeps all-zero weights instead.
     weights = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
     # Each query sums only the rows it sees: a zero weight times a NaN or Inf row that it cannot see
-    # would still make its output NaN.
-    out = torch.zeros(*weights.shape[:2], LATENT_DIM, dtype=acc, device=q.device)
-    for v in counts.unique().tolist():
-        sel = counts == v
-        out[sel] = torch.einsum("nhl,ld->nhd", weights[sel, :, :v], kf[:v, :LATENT_DIM])
+    # would still make its output NaN. Such rows are rare, so the product runs with them zeroed and
+    # each is added back for the queries that see it.
+    values = kf[:, :LATENT_DIM]
+    finite = torch.isfinite(values).all(dim=-1)
+    out = torch.einsum("nhl,ld->nhd", weights, torch.where(finite[:, None], values, 0.0))
+    for row in (~finite).nonzero().flatten().tolist():
+        sel = seen[:, row]
+        out[sel] += weights[sel, :, row, None] * values[row]
     return out, lse
 
 
