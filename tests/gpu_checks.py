@@ -239,3 +239,17 @@ def check_attention(out, lse, ref_out, ref_lse, what, *, cu_q_lens=None, out_tol
     fail_worst(lse_err > lse_bound, lse_err - lse_bound,
                lambda i: f"lse error {lse_err[i].item():.2e} > {lse_bound[i].item():.1e} "
                          f"(reference {want_lse[i].item():.4f})")
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """Runs ``step`` once on a side stream (allocator and kernel warm-up, as torch asks before a
+    capture), then captures it into a CUDA graph and returns the graph (not yet replayed)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

@@ -13,8 +13,8 @@ import torch
 import mla_kv
 from mla_kv import reference
 
-from gpu_checks import (archs_for, block_pointer_copy, check_attention, nan_outputs, poisoned_workspace,
-                        random_cache, run_decode, run_prefill, split_schedule)
+from gpu_checks import (archs_for, block_pointer_copy, capture_graph, check_attention, nan_outputs,
+                        poisoned_workspace, random_cache, run_decode, run_prefill, split_schedule)
 
 pytestmark = pytest.mark.gpu
 
@@ -125,14 +125,7 @@ def test_decode_in_cuda_graph_with_workspace():
     out, lse = nan_outputs(q, (2, 1, heads))
     run = lambda: mla_kv.decode(q, cache, table, seq_lens, 0.1, out=out, lse=lse, workspace=workspace,
                                 schedule=schedule)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     q.copy_(torch.randn(q.shape, device="cuda").to(dtype))  # new data, same graph
     for buffer, value in ((out, float("nan")), (lse, float("nan")), (workspace, 0xFF)):
         buffer.fill_(value)  # the replay must write every result anew

@@ -12,7 +12,7 @@ import mla_kv
 from mla_kv import reference
 from mla_kv.layout import BlockPool, to_latent_first
 
-from gpu_checks import random_table, same_bytes
+from gpu_checks import capture_graph, random_table, same_bytes
 
 GPU = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -270,14 +270,7 @@ def test_gather_in_cuda_graph():
     table = random_table(needs, num_blocks, gen, device="cpu").cuda()
     cu, starts = cu.cuda(), starts.cuda()
     out = torch.zeros(800, 576, dtype=dtype, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mla_kv.gather_kv(cache, table, cu, starts=starts, out=out)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mla_kv.gather_kv(cache, table, cu, starts=starts, out=out)
+    graph = capture_graph(lambda: mla_kv.gather_kv(cache, table, cu, starts=starts, out=out))
     # New cache contents, lengths and starts, same buffers: the replay follows the device data.
     cache.copy_(poison(cache.shape, dtype, "cuda", gen))
     new_cu = torch.tensor([0, 30, 30, 630], dtype=torch.int32)

@@ -15,6 +15,10 @@ import textwrap
 import pytest
 import torch
 
+import mla_kv
+from gpu_checks import capture_graph
+from mla_kv import reference
+
 pytestmark = pytest.mark.gpu
 
 _CHILD = textwrap.dedent("""
@@ -57,8 +61,6 @@ def test_op_allocated_workspace_outlives_kernels_without_caching_allocator():
 
 def test_op_allocated_workspace_in_graph_capture():
     gen = torch.Generator(device="cuda").manual_seed(11)
-    from mla_kv import reference
-    import mla_kv
     heads = 16
     cache = (torch.randn(40, 64, 576, generator=gen, device="cuda") * 0.5).half()
     table = torch.randperm(40, generator=gen, device="cuda").int()[:36].view(2, 18)
@@ -76,14 +78,7 @@ def test_op_allocated_workspace_in_graph_capture():
         junk = torch.full((plan.workspace_bytes // 4,), float("nan"), device="cuda")
         junk.add_(1.0)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     q.copy_(torch.randn(q.shape, generator=gen, device="cuda").half())
     out.fill_(float("nan"))
     graph.replay()
