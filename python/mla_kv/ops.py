@@ -7,8 +7,8 @@ pure-PyTorch reference (mla_kv.reference), which is also the specification of ea
 Bounds that need device data (slot values, positions, block-table lengths) are checked only with
 ``validate=True`` (a host synchronization); without it the kernels never read or write outside the
 cache and the outputs: writes skip out-of-range rows, gather leaves the rows it cannot find untouched,
-and attention reads a position with no block as a zero row (a finite but unspecified result). Ops do no host synchronization or allocation otherwise, so they can be
-captured in CUDA graphs.
+and attention reads a position with no block as a zero row (a finite but unspecified result). Ops do
+no host synchronization or allocation otherwise, so they can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
