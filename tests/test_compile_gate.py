@@ -1,19 +1,11 @@
 """The compile gate's reading of ptxas reports (scripts/check-sm70, run by CI): it must fail a build
 whose attention kernels spill registers or whose wgmma code got a wait inserted by ptxas, and pass
 the reports of a healthy build. CPU only: these are ptxas's own report lines."""
-import importlib.machinery
-import importlib.util
-from pathlib import Path
-
-GATE = Path(__file__).resolve().parent.parent / "scripts" / "check-sm70"
+from scripts_loader import load_script
 
 
 def load_gate():
-    loader = importlib.machinery.SourceFileLoader("check_sm70", str(GATE))
-    spec = importlib.util.spec_from_loader("check_sm70", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script("check-sm70", "check_sm70")
 
 
 HEALTHY = """ptxas info    : Compiling entry function '_ZN6mla_kv16attention_detail4sm9022attention_wgmma_kernel' for 'sm_90a'

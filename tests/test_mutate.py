@@ -1,27 +1,19 @@
 """The mutation list of scripts/mutate (scripts/mutations.py), checked without a GPU or a build: every
 mutation names text that occurs where it says in its kernel file and applies to exactly that place,
 names existing test files, and together they cover every kernel family, topic and arch variant."""
-import importlib.machinery
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from scripts_loader import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "mutate"
 
 
-def load_script():
-    loader = importlib.machinery.SourceFileLoader("mla_kv_mutate", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("mla_kv_mutate", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-MUTATE = load_script()
+MUTATE = load_script("mutate", "mla_kv_mutate")
 CATALOG = MUTATE.load_mutations_module()
 MUTATIONS = CATALOG.MUTATIONS
 

@@ -1,18 +1,14 @@
 """scripts/sanitize_calls.py's readers, on CPU: the allow-list parser and the compute-sanitizer log
 parser (samples in the tool's format: compute-sanitizer 2023+ locations 'FUNC+0xOFF in FILE:LINE',
 older 'at 0xOFF in FILE:LINE:FUNC'), the matching of reports to entries, and the table's verdict."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sanitize_calls.py"
-spec = importlib.util.spec_from_file_location("sanitize_calls", SCRIPT)
-sanitize = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = sanitize  # dataclasses look their module up while it loads
-spec.loader.exec_module(sanitize)
+from scripts_loader import load_script
+
+sanitize = load_script("sanitize_calls.py", "sanitize_calls")
 
 WGMMA = ("void mla_kv::attention_detail::sm90::attention_wgmma_kernel<__half, mla_kv::PagedTableRows, (bool)1>"
          "(mla_kv::AttentionParams, T2, CUtensorMap_st)")
