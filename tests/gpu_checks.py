@@ -37,10 +37,17 @@ def archs_for(dtype):
     return [None] + older + ([] if dtype == torch.bfloat16 else ["sm75", "sm70"])
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as same-size integers (a contiguous copy): equality is bit equality, NaN included."""
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN equals NaN of the same bits)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # ----------------------------------------------------------------------------------- caches

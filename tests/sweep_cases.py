@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 
 import gpu_checks
+from gpu_checks import bits
 import mla_kv
 from mla_kv import parallel, reference
 from mla_kv.layout import BlockPool, block_slots, to_latent_first, to_rope_first
@@ -37,7 +38,6 @@ CANARY_BYTES = 256
 MERGE_LSE_TOL = 1e-5  # merge_states' lse is fp32 math on its inputs
 ULPS = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 32}
 FP32_SLACK = 2.0 ** -21  # a few fp32 roundings of the largest input of a rotated row
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ---------------------------------------------------------------------------------- canaries
@@ -78,11 +78,6 @@ class Canaries:
                 dst.view(torch.uint8).copy_(w.view(torch.uint8))
             changed += int((expected != buffer).sum())
         return changed
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as same-size integers (a contiguous copy): equality is bit equality, NaN included."""
-    return t.contiguous().view(_BITS[t.element_size()])
 
 
 def generators(device, seed: int):
