@@ -487,13 +487,12 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
     return workspace
 
 
-def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, causal, scale, schedule,
-                      workspace_ptr):
+def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, causal, scale, schedule):
     p = _C.AttentionParams()
     p.dtype = _c_dtype(q.dtype)
     p.batch, p.num_heads, p.q_len = batch, q.shape[-2], q_len
     p.kv_lens, p.causal, p.softmax_scale = kv_lens.data_ptr(), causal, float(scale)
-    p.num_splits, p.tokens_per_split, p.workspace = schedule.num_splits, schedule.tokens_per_split, workspace_ptr
+    p.num_splits, p.tokens_per_split = schedule.num_splits, schedule.tokens_per_split
     p.q, p.out, p.lse = q.data_ptr(), out.data_ptr(), lse.data_ptr()
     if packed:
         p.cu_q_lens, p.total_q_tokens = cu_q_lens.data_ptr(), q.shape[0]
@@ -536,7 +535,10 @@ def _check_block_table(block_table, batch):
     _size("block_table", block_table, 0, batch)
 
 
-def _launch_attention(q, params, cache, block_table, arch):
+def _launch_attention(q, params, cache, block_table, arch, workspace):
+    """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
+    one the op allocated stays referenced until its launches are queued (see _workspace)."""
+    params.workspace = 0 if workspace is None else workspace.data_ptr()
     tag = _kernel_arch(q.device, q.dtype, arch)
     with torch.cuda.device(q.device):
         if isinstance(cache, BlockPointerCache):
@@ -622,10 +624,8 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=batch * s_q, heads=heads)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
-                               cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=0 if ws is None else ws.data_ptr())
-    _launch_attention(q, params, kv_cache, block_table, arch)
-    del ws  # released only now, after the launch is queued (see _workspace)
+                               cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
+    _launch_attention(q, params, kv_cache, block_table, arch, ws)
     return out, lse
 
 
@@ -684,10 +684,8 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=tokens, heads=heads)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
-                               cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule,
-                               workspace_ptr=0 if ws is None else ws.data_ptr())
-    _launch_attention(q, params, kv_cache, block_table, arch)
-    del ws  # released only now, after the launch is queued (see _workspace)
+                               cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
+    _launch_attention(q, params, kv_cache, block_table, arch, ws)
     return out, lse
 
 
