@@ -29,7 +29,7 @@ def torch_native_decode(q, cache, table, lens, scale, ctx):
     return torch.matmul(probs, rows[..., :512])
 
 
-def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
+def run_case(batch, ctx, heads, dtype, layout, gen, arch=None, gpu=None):
     blocks_per_seq = ctx // PAGE
     nbytes = batch * ctx * 576 * 2
     variants = common.variants_for(nbytes, cap=8)
@@ -38,7 +38,7 @@ def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
               for _ in range(variants)]
     table = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, blocks_per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, blocks_per_seq * PAGE, dtype, gen, arch)
+    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, blocks_per_seq * PAGE, dtype, gen, arch, gpu)
     scale = 1 / math.sqrt(192)
     if layout == "blocks":
         ptr_sets = [BlockPointerCache(
@@ -56,7 +56,9 @@ def run_case(batch, ctx, heads, dtype, layout, gen, arch=None):
         native = common.time_eager(lambda i: torch_native_decode(q, caches[i], table, lens, scale, ctx), variants,
                                    calls=3, samples=5)
     flops = batch * heads * ctx * 2176
-    return {"arch": arch or "auto", "layout": layout, "dtype": str(dtype).split(".")[1], "B": batch, "ctx": ctx, "H": heads,
+    t = schedule.tiles
+    return {"arch": arch or "auto", "gpu": gpu or "-", "tiles": f"{t.block_m}x{t.block_n}/{t.stages} {t.smem_bytes // 1024}K",
+            "layout": layout, "dtype": str(dtype).split(".")[1], "B": batch, "ctx": ctx, "H": heads,
             "splits": schedule.num_splits, "ms": sec * 1e3, "GB/s": nbytes / sec / 1e9,
             "TFLOP/s": flops / sec / 1e12, "native_ms": native * 1e3 if native else None,
             "native_GB/s": nbytes / native / 1e9 if native else None}
@@ -66,11 +68,16 @@ def main(argv=None):
     ap = common.parser(__doc__)
     ap.add_argument("--arch", default=None, choices=["sm70", "sm75", "sm80", "sm90"],
                     help="force a kernel variant (sm70 on a newer GPU shows the Volta code path's cost)")
+    ap.add_argument("--gpu", default=None, choices=sorted(mla_kv.gpus.gpu_classes()),
+                    help="plan and launch under this GPU class's shared-memory limits (its tile configuration; "
+                         "the variant defaults to the class's)")
     ap.add_argument("--only", default=None, choices=["bf16-paged"],
                     help="full grid restricted to one dtype and layout (the table RESULTS.md shows)")
     args = ap.parse_args(argv)
     if not common.kernels_present("bench_decode"):
         return 1
+    if args.gpu and args.arch is None:
+        args.arch = mla_kv.gpus.gpu_classes()[args.gpu].arch
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = common.copy_bandwidth()
     dtypes = (torch.float16,) if args.arch in ("sm70", "sm75") else (torch.float16, torch.bfloat16)
@@ -87,14 +94,14 @@ def main(argv=None):
             grid = [g for g in grid if g[3] == torch.bfloat16 and g[4] == "paged"]
     rows = []
     for b, c, h, d, lay in grid:
-        r = run_case(b, c, h, d, lay, gen, args.arch)
+        r = run_case(b, c, h, d, lay, gen, args.arch, args.gpu)
         r["% copy"] = 100 * r["GB/s"] * 1e9 / copy_bw
         r["% mma"] = 100 * r["TFLOP/s"] * 1e12 / ceilings[d]
         rows.append(r)
         torch.cuda.empty_cache()
     print(f"device copy bandwidth (read+write): {copy_bw / 1e9:,.0f} GB/s; tensor-core ceiling: "
           + ", ".join(f"{str(d).split('.')[1]} {v / 1e12:,.0f} TFLOP/s" for d, v in ceilings.items()))
-    common.print_table(rows, ["arch", "layout", "dtype", "B", "ctx", "H", "splits", "ms", "GB/s", "% copy", "TFLOP/s",
+    common.print_table(rows, ["arch", "gpu", "tiles", "layout", "dtype", "B", "ctx", "H", "splits", "ms", "GB/s", "% copy", "TFLOP/s",
                               "% mma", "native_ms", "native_GB/s"])
     common.write_json(args.json, {"device": common.device_info(), "copy_GBps": copy_bw / 1e9,
                                   "mma_TFLOPs": {str(k): v / 1e12 for k, v in ceilings.items()}, "rows": rows})

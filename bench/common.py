@@ -54,11 +54,13 @@ def variants_for(bytes_per_set: int, l2_bytes: int = 60 << 20, cap: int = 64) ->
     return max(2, min(cap, math.ceil(4 * l2_bytes / max(bytes_per_set, 1))))
 
 
-def decode_buffers(batch: int, heads: int, max_kv: int, dtype: torch.dtype, gen: torch.Generator, arch=None):
+def decode_buffers(batch: int, heads: int, max_kv: int, dtype: torch.dtype, gen: torch.Generator, arch=None,
+                   smem_limits=None):
     """Random q [B, 1, H, 576] and what a graph-captured decode needs besides the cache: the
-    schedule for max_kv positions, its workspace, and the out / lse tensors."""
+    schedule for max_kv positions (under smem_limits: a GPU class's tiles), its workspace, and the
+    out / lse tensors."""
     q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype, generator=gen)
-    schedule = mla_kv.attention_schedule(batch, 1, heads, max_kv, arch=arch)
+    schedule = mla_kv.attention_schedule(batch, 1, heads, max_kv, arch=arch, smem_limits=smem_limits)
     workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
     out = torch.empty(batch, 1, heads, 512, device="cuda", dtype=dtype)
     lse = torch.empty(batch, 1, heads, device="cuda")

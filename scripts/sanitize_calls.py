@@ -109,6 +109,14 @@ def calls() -> List[Tuple[str, object]]:
             ("prefill/paged/best/float16/split12-padded", PrefillCase(q_lens=[70, 1], kv_lens=[200, 90], pad_rows=13,
                                                                        heads=20, cache=paged, schedule=(12, 64),
                                                                        give_out=True))]
+    # The tiles of the smaller GPUs (their shared-memory limits imposed): Turing's P-in-scores tile,
+    # the register-staged Sm80 tiles of the 99 KB GPUs, an A100's three-stage ring and 64-row CTA.
+    for gpu, arch in (("T4 / RTX 20", "sm75"), ("L40 / RTX 40", "sm80"), ("A100", "sm80")):
+        g = gpu.split()[0]
+        out += [(f"decode/paged/{arch}/float16/{g}-s2-h20", DecodeCase(arch=arch, lens=[3, 100, 600], s_q=2, heads=20,
+                                                                        cache=paged, gpu=gpu)),
+                (f"prefill/paged/{arch}/float16/{g}-h16", PrefillCase(arch=arch, q_lens=[33, 2], kv_lens=[100, 300],
+                                                                       heads=16, cache=paged, gpu=gpu))]
     out += [(f"merge_states/{dt}", MergeCase(dtype=dt, shape=(3, 7), give_out=True))
             for dt in ("float16", "bfloat16", "float32")]
     out.append(("merge_states/float16/dim31-strided", MergeCase(shape=(2, 3, 5), dim=31, pads=(1, 7, 2))))

@@ -21,7 +21,7 @@ result (plus fp32 rounding of the inputs' magnitude, for a rotation whose terms 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -255,10 +255,10 @@ class ReadCache:
 
 def _plan(case, canaries, q, cache: "ReadCache", packed_batch=None):
     """(schedule, workspace) a case passes: hand-made (splits, granularity) covering what the op
-    checks, or the op's own plan (gpu_checks.default_schedule) when only a workspace is given, as a
-    CUDA-graph caller plans; (None, None) lets the op plan and allocate. The CPU path (the reference)
-    takes neither."""
-    if q.device.type != "cuda" or (case.schedule is None and not case.give_workspace):
+    checks, or the op's own plan (gpu_checks.default_schedule) when only a workspace or a GPU class
+    is given, as a CUDA-graph caller plans; (None, None) lets the op plan and allocate. The CPU path
+    (the reference) takes neither."""
+    if q.device.type != "cuda" or (case.schedule is None and not case.give_workspace and case.gpu is None):
         return None, None
     heads, total = q.shape[-2], q.shape[0] * (q.shape[1] if packed_batch is None else 1)
     if case.schedule is not None:
@@ -266,10 +266,11 @@ def _plan(case, canaries, q, cache: "ReadCache", packed_batch=None):
         # The paged table's width, or the longest block list for block pointers (validate=True checks it).
         cover = max(cache.block_counts + [1]) if case.cache.blocks else cache.block_table.shape[1]
         tokens = -(-cover * case.cache.block_size // splits)
-        schedule = gpu_checks.split_schedule(splits, -(-tokens // granularity) * granularity, total, heads)
+        schedule = replace(gpu_checks.split_schedule(splits, -(-tokens // granularity) * granularity, total, heads),
+                           smem_limits=mla_kv.gpus.smem_limits(case.gpu))
     else:
         schedule = gpu_checks.default_schedule(q, cache.kv_cache, cache.block_table, packed_batch=packed_batch,
-                                               arch=case.arch)
+                                               arch=case.arch, smem_limits=case.gpu)
     workspace = canaries.tensor((schedule.workspace_bytes,), torch.uint8) if case.give_workspace else None
     return schedule, workspace
 
@@ -291,6 +292,7 @@ class DecodeCase:
     schedule: Optional[Tuple[int, int]] = None  # (splits, token granularity) forced; None: the op's plan
     give_workspace: bool = False
     validate: bool = False
+    gpu: Optional[str] = None  # a GPU class (mla_kv.gpus): plan and launch under its shared-memory limits
     expect_error: Optional[str] = None  # "TypeError: part of the message" when the call must be refused
 
 
@@ -336,6 +338,7 @@ class PrefillCase:
     schedule: Optional[Tuple[int, int]] = None
     give_workspace: bool = False
     validate: bool = False
+    gpu: Optional[str] = None  # a GPU class (mla_kv.gpus): plan and launch under its shared-memory limits
     expect_error: Optional[str] = None
 
 

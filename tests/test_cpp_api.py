@@ -2,7 +2,7 @@
 return before anything touches the device)."""
 import pytest
 
-from mla_kv import ops
+from mla_kv import gpus, ops
 
 _C = ops._C
 pytestmark = pytest.mark.skipif(_C is None, reason="the package was built without kernels")
@@ -27,26 +27,28 @@ def test_attention_paged_refuses_splits_short_of_the_block_table():
         assert "invalid argument" not in str(e)
 
 
-@pytest.mark.parametrize("arch", ["sm70", "sm75", "sm80", "sm90"])
-def test_schedule_covers_the_context_in_one_wave(arch):
-    """Every tag's schedule (sm90 included; an explicit tag needs no device): the splits cover
+@pytest.mark.parametrize("gpu", list(gpus.gpu_classes()) if _C is not None else [])
+def test_schedule_covers_the_context_in_one_wave(gpu):
+    """Every GPU class's schedule (an explicit tag and limits need no device): the splits cover
     max_kv_len, none is empty, they end on 64-token tile boundaries, and split CTAs fit one wave of
-    132 SMs (at most two CTAs per SM, at least one CTA per 64 query rows)."""
-    tag = getattr(_C.Arch, arch)
+    132 SMs holding the CTAs per SM the tiles allow."""
+    g = gpus.gpu_classes()[gpu]
+    tag, limits = getattr(_C.Arch, g.arch), gpus.c_limits(g.smem)
     sms = 132
     for batch in (0, 1, 3, 64, 512):  # 0: an empty batch (no CTAs) must not divide by its CTA count
         for heads in (1, 5, 16, 20, 64, 128):
             for q_len in (1, 4):
                 for max_kv in (1, 255, 4096, 262144):
-                    s = _C.make_attention_schedule(batch, q_len, heads, max_kv, sms, tag)
-                    what = f"{arch} B={batch} H={heads} S_q={q_len} kv={max_kv}: {s.num_splits} x {s.tokens_per_split}"
+                    s = _C.make_attention_schedule(batch, q_len, heads, max_kv, sms, tag, limits)
+                    what = f"{gpu} B={batch} H={heads} S_q={q_len} kv={max_kv}: {s.num_splits} x {s.tokens_per_split}"
+                    assert s.tiles.block_m > 0, what
                     assert 1 <= s.num_splits <= _C.max_attention_splits, what
                     assert s.num_splits * s.tokens_per_split >= max_kv, what
                     assert (s.num_splits - 1) * s.tokens_per_split < max_kv, what
                     assert s.tokens_per_split % 64 == 0, what
                     if s.num_splits > 1:
-                        min_ctas = batch * -(-q_len * heads // 64)
-                        assert min_ctas * s.num_splits <= 2 * sms, what
+                        ctas = batch * -(-q_len * heads // s.tiles.block_m)
+                        assert ctas * s.num_splits <= s.tiles.ctas_per_sm * sms, what
 
 
 def test_resolve_arch_takes_sm90_on_hopper_only():

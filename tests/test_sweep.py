@@ -96,6 +96,17 @@ def _variant(rng: random.Random, *, fp32: bool = False):
     return arch, rng.choice(names), None
 
 
+# The GPU classes whose shared-memory limits a case of each tag may run under (None: this GPU's own).
+GPU_CLASSES = {"sm70": ("V100",), "sm75": ("T4 / RTX 20",), "sm80": ("A10 / A40 / RTX 30", "A100"), None: ()}
+
+
+def _gpu_class(rng: random.Random, arch, expect):
+    """A GPU class for half of the mma.sync cases (drawn last: the case's other fields stay as they were)."""
+    if expect or rng.random() < 0.5:
+        return None
+    return rng.choice(GPU_CLASSES[arch] or (None,))
+
+
 def _halve_until(values, over):
     """``values`` (ints, or tuples of ints) halved until ``over(values)`` is false."""
     while over(values):
@@ -144,7 +155,7 @@ def sample_decode(rng: random.Random) -> DecodeCase:
                       lse_pad=(_pad(rng, (1,)), _pad(rng, (3,)), _pad(rng, (1,))),
                       schedule=plan, give_workspace=expect is None and rng.random() < 0.3,
                       validate=expect is None and rng.random() < 0.2 and min(lens + [s_q]) >= s_q,
-                      expect_error=expect)
+                      expect_error=expect, gpu=_gpu_class(rng, arch, expect))
 
 
 def sample_prefill(rng: random.Random) -> PrefillCase:
@@ -170,7 +181,8 @@ def sample_prefill(rng: random.Random) -> PrefillCase:
                        give_out=rng.random() < 0.5, out_pad=(_pad(rng, (1,)), _pad(rng, (2,)), _pad(rng, (8,))),
                        lse_pad=(_pad(rng, (1,)), _pad(rng, (5,))), schedule=plan,
                        give_workspace=expect is None and rng.random() < 0.3,
-                       validate=expect is None and rng.random() < 0.2, expect_error=expect)
+                       validate=expect is None and rng.random() < 0.2, expect_error=expect,
+                       gpu=_gpu_class(rng, arch, expect))
 
 
 def sample_gather(rng: random.Random) -> GatherCase:
@@ -352,10 +364,14 @@ def test_sampled_cases_are_reproducible_varied_and_within_budget():
                 tags.add(("batch", min(len(lens), 2)))
             if hasattr(case, "schedule"):
                 tags.add(("forced split", case.schedule is not None))
+            if hasattr(case, "gpu"):
+                tags.add(("gpu", case.gpu))
     for op, tags in seen.items():
         archs = ARCHS if op != "merge_states" else ("-",)
         assert {("arch", a) for a in archs} <= tags, op
         assert {("dtype", "float16"), ("dtype", "bfloat16")} <= tags, op
+        if op in ("decode", "prefill"):  # every GPU class's limits, and the device's own
+            assert {("gpu", g) for cls in GPU_CLASSES.values() for g in cls} | {("gpu", None)} <= tags, op
         if op not in ("merge_states",):
             assert ("refused", True) in tags and ("refused", False) in tags, op
         if op in ("decode", "prefill", "gather_kv"):

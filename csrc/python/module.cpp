@@ -50,6 +50,20 @@ PYBIND11_MODULE(_C, m) {
       .value("sm75", Arch::kSm75)
       .value("sm80", Arch::kSm80)
       .value("sm90", Arch::kSm90);
+  py::class_<SmemLimits>(m, "SmemLimits")
+      .def(py::init([](int per_block, int per_sm, int reserved_per_block) {
+             return SmemLimits{per_block, per_sm, reserved_per_block};
+           }),
+           py::arg("per_block") = 0, py::arg("per_sm") = 0, py::arg("reserved_per_block") = 0)
+      .def_readonly("per_block", &SmemLimits::per_block)
+      .def_readonly("per_sm", &SmemLimits::per_sm)
+      .def_readonly("reserved_per_block", &SmemLimits::reserved_per_block);
+  m.def("device_smem_limits", &device_smem_limits);
+  {
+    py::list classes;
+    for (const GpuClass& g : kGpuClasses) classes.append(py::make_tuple(g.name, g.tag, g.smem));
+    m.attr("gpu_classes") = classes;
+  }
   py::enum_<RopeStyle>(m, "RopeStyle")
       .value("interleaved", RopeStyle::kInterleaved)
       .value("neox", RopeStyle::kNeox);
@@ -137,12 +151,25 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("lse_stride_h", &AttentionParams::lse_stride_h)
       .def_readwrite("num_splits", &AttentionParams::num_splits)
       .def_readwrite("tokens_per_split", &AttentionParams::tokens_per_split)
-      .PTR_PROPERTY(AttentionParams, workspace);
+      .PTR_PROPERTY(AttentionParams, workspace)
+      .def_readwrite("smem_limits", &AttentionParams::smem_limits);
 
+  py::class_<AttentionTiles>(m, "AttentionTiles")
+      .def_readonly("block_m", &AttentionTiles::block_m)
+      .def_readonly("block_n", &AttentionTiles::block_n)
+      .def_readonly("stages", &AttentionTiles::stages)
+      .def_readonly("smem_bytes", &AttentionTiles::smem_bytes)
+      .def_readonly("ctas_per_sm", &AttentionTiles::ctas_per_sm)
+      .def_readonly("min_smem_bytes", &AttentionTiles::min_smem_bytes);
+  m.def("attention_tiles", &attention_tiles);
+  m.def("attention_launch_tiles", &attention_launch_tiles);
   py::class_<AttentionSchedule>(m, "AttentionSchedule")
       .def_readonly("num_splits", &AttentionSchedule::num_splits)
-      .def_readonly("tokens_per_split", &AttentionSchedule::tokens_per_split);
-  m.def("make_attention_schedule", &make_attention_schedule);
+      .def_readonly("tokens_per_split", &AttentionSchedule::tokens_per_split)
+      .def_readonly("tiles", &AttentionSchedule::tiles);
+  m.def("make_attention_schedule", &make_attention_schedule, py::arg("batch"), py::arg("q_len"),
+        py::arg("num_heads"), py::arg("max_kv_len"), py::arg("sm_count"), py::arg("arch"),
+        py::arg("limits") = SmemLimits{});
   m.def("attention_workspace_size", &attention_workspace_size);
   m.attr("max_attention_splits") = kMaxAttentionSplits;
   m.def("attention_paged",

@@ -3,7 +3,7 @@
 Ops take torch tensors; CUDA tensors run the compiled kernels, CPU tensors the pure-PyTorch
 reference (mla_kv.reference), which is the specification of every op.
 """
-from . import layout, parallel, reference, rope, weights
+from . import gpus, layout, parallel, reference, rope, weights
 from .layout import BlockPointerCache, BlockPool
 from .ops import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, fused_write_kv,
                   fused_write_kv_blocks, gather_kv, kernels_available, merge_states, prefill, write_kv,
@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionSchedule", "BlockPointerCache", "BlockPool", "absorb_q", "attention_schedule", "decode",
-    "decode_workspace_size", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "kernels_available", "layout", "parallel",
+    "decode_workspace_size", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "gpus", "kernels_available",
+    "layout", "parallel",
     "merge_states", "prefill", "project_out", "reference", "rope", "split_kv_b_proj", "weights", "write_kv",
     "write_kv_blocks",
 ]

@@ -20,6 +20,7 @@ import torch
 
 from . import reference
 from ._checks import integer, real
+from .gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
 from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
 
 try:  # the compiled kernels are absent in a reference-only install
@@ -373,6 +374,10 @@ class AttentionSchedule:
     num_splits: int
     tokens_per_split: int
     workspace_bytes: int
+    # The tiles the launch takes, and the shared-memory limits it plans for (None: the device's;
+    # a smaller GPU's make the launch run that GPU's configuration, see mla_kv.gpus).
+    tiles: Optional[AttentionTiles] = None
+    smem_limits: Optional[SmemLimits] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -401,22 +406,42 @@ def _schedule_device(device) -> torch.device:
 
 def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
                        total_q_tokens: Optional[int] = None, device=None,
-                       arch: Optional[str] = None) -> AttentionSchedule:
+                       arch: Optional[str] = None, smem_limits: LimitsSpec = None) -> AttentionSchedule:
     """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
 
     max_kv_len bounds every sequence's kv length (decode uses block_table width x block_size);
     total_q_tokens is batch * q_len for decode and T for prefill. A schedule plans kernel launches, so
-    it needs a CUDA device (CPU tensors run the reference, which takes none).
+    it needs a CUDA device (CPU tensors run the reference, which takes none). ``smem_limits`` (a GPU
+    class name of mla_kv.gpus.gpu_classes(), or byte limits) plans, and makes the launch take, the
+    tiles of a GPU with that much shared memory; by default the device's own.
     """
     batch, q_len, num_heads, max_kv_len = (integer(name, v, 0) for name, v in (
         ("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len)))
     total = batch * q_len if total_q_tokens is None else integer("total_q_tokens", total_q_tokens, 0)
+    limits = _smem_limits(smem_limits)
     device = _schedule_device(device)
     tag = _kernel_arch(device, torch.float16, arch)
     s = _C.make_attention_schedule(batch, max(q_len, 1), max(num_heads, 1), max_kv_len, _sm_count(device.index),
-                                   tag)
+                                   tag, c_limits(limits))
+    _check_tiles(s.tiles, tag, device, limits)
     return AttentionSchedule(s.num_splits, s.tokens_per_split,
-                             _C.attention_workspace_size(total, num_heads, s.num_splits))
+                             _C.attention_workspace_size(total, num_heads, s.num_splits),
+                             AttentionTiles.from_c(s.tiles), limits)
+
+
+def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
+    """Raises when no tile configuration of the variant fits the shared memory it may use."""
+    if tiles.block_m:
+        return
+    if limits is None:
+        have = _C.device_smem_limits().per_block
+        where = f"{torch.cuda.get_device_name(device)} allows {have:,}"
+    else:
+        have = min(limits.per_block, _C.device_smem_limits().per_block)
+        where = f"the schedule's smem_limits allow {have:,}"
+    raise ValueError(f"arch: the {tag.name} attention kernel needs {tiles.min_smem_bytes:,} bytes of shared "
+                     f"memory per CTA (its smallest tile configuration); {where} per block "
+                     f"(use another arch tag, or None for the device's own)")
 
 
 def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *, device=None,
@@ -493,6 +518,7 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     p.batch, p.num_heads, p.q_len = batch, q.shape[-2], q_len
     p.kv_lens, p.causal, p.softmax_scale = kv_lens.data_ptr(), causal, float(scale)
     p.num_splits, p.tokens_per_split = schedule.num_splits, schedule.tokens_per_split
+    p.smem_limits = c_limits(schedule.smem_limits)
     p.q, p.out, p.lse = q.data_ptr(), out.data_ptr(), lse.data_ptr()
     if packed:
         p.cu_q_lens, p.total_q_tokens = cu_q_lens.data_ptr(), q.shape[0]
@@ -535,11 +561,12 @@ def _check_block_table(block_table, batch):
     _size("block_table", block_table, 0, batch)
 
 
-def _launch_attention(q, params, cache, block_table, arch, workspace):
+def _launch_attention(q, params, cache, block_table, arch, workspace, limits: Optional[SmemLimits]):
     """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
     one the op allocated stays referenced until its launches are queued (see _workspace)."""
     params.workspace = 0 if workspace is None else workspace.data_ptr()
     tag = _kernel_arch(q.device, q.dtype, arch)
+    _check_tiles(_C.attention_launch_tiles(params, tag), tag, q.device, limits)
     with torch.cuda.device(q.device):
         if isinstance(cache, BlockPointerCache):
             _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
@@ -625,7 +652,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
                     total_tokens=batch * s_q, heads=heads)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, block_table, arch, ws)
+    _launch_attention(q, params, kv_cache, block_table, arch, ws, schedule.smem_limits)
     return out, lse
 
 
@@ -685,7 +712,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
                     total_tokens=tokens, heads=heads)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, block_table, arch, ws)
+    _launch_attention(q, params, kv_cache, block_table, arch, ws, schedule.smem_limits)
     return out, lse
 
 

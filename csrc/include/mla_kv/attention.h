@@ -43,18 +43,41 @@ struct AttentionParams {
   int num_splits;  // 1 .. kMaxAttentionSplits
   int tokens_per_split;
   void* workspace;  // attention_workspace_size() bytes when num_splits > 1
+  // The shared memory the launch plans for (zeros: the device's). Smaller values make it take the
+  // tiles a smaller GPU would (the GPU tests emulate each GPU class this way); pass the schedule's.
+  SmemLimits smem_limits;
 };
+
+// The tile configuration a launch takes: the tallest CTA up to the rows a sequence needs whose
+// shared memory fits the limits (the best of that height first), and how many of its CTAs an SM
+// holds. block_m == 0: no configuration of the tag fits; min_smem_bytes is what the smallest needs.
+struct AttentionTiles {
+  int block_m;         // query rows (token, head) per CTA
+  int block_n;         // cache rows per tile
+  int stages;          // tiles in flight: 1 = the next tile staged in registers, 2-3 = a cp.async ring
+  int smem_bytes;      // dynamic shared memory per CTA
+  int ctas_per_sm;     // resident CTAs per SM the split schedule counts
+  int min_smem_bytes;  // the tag's smallest configuration
+  int config;          // index among the tag's configurations (internal)
+};
+
+// rows_per_seq: query rows (q_len x num_heads) per sequence; tag: a resolved tag (not kAuto);
+// limits: as AttentionParams::smem_limits.
+AttentionTiles attention_tiles(Arch tag, int64_t rows_per_seq, SmemLimits limits);
+// The tiles a launch with these params takes on tag (resolved), as invokeAttention* picks them.
+AttentionTiles attention_launch_tiles(const AttentionParams& params, Arch tag);
 
 // A plan computed on the host from sizes only (no device data), so it can be made outside a graph.
 struct AttentionSchedule {
   int num_splits;  // CTAs per (sequence, head block) along the KV
   int tokens_per_split;
+  AttentionTiles tiles;  // what the launch will take (tiles.block_m == 0: it will fail)
 };
 
 // max_kv_len: an upper bound of every kv_len (e.g. block_table width * block_size); arch: the tag the
-// launch will use (kAuto: the current device's).
+// launch will use (kAuto: the current device's); limits: those the launch will pass in its params.
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
-                                          int sm_count, Arch arch);
+                                          int sm_count, Arch arch, SmemLimits limits = {});
 
 // Bytes of workspace a launch with these sizes needs (0 when num_splits == 1).
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);

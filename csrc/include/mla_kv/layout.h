@@ -62,6 +62,7 @@ enum class Status : int {
   kUnsupportedArch = 2,    // arch tag not compiled in or above the device
   kInvalidArgument = 3,
   kCudaError = 4,          // see cudaGetLastError()
+  kSharedMemoryExceeded = 5,  // no tile configuration fits the device's (or the given) shared memory
 };
 
 const char* status_string(Status s);

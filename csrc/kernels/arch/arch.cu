@@ -44,6 +44,29 @@ int device_compute_capability() {
   return cc;
 }
 
+SmemLimits device_smem_limits() {
+  static SmemLimits cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return {};
+  if (dev < kMaxDevices && cached[dev].per_block) return cached[dev];
+  SmemLimits l;
+  cudaDeviceGetAttribute(&l.per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  cudaDeviceGetAttribute(&l.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  cudaDeviceGetAttribute(&l.reserved_per_block, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  if (dev < kMaxDevices) cached[dev] = l;
+  return l;
+}
+
+SmemLimits effective_smem_limits(SmemLimits requested) {
+  const SmemLimits d = device_smem_limits();
+  // (no device: the requested values as they are, so plans can be made on a machine without a GPU)
+  auto held = [](int want, int have) { return have == 0 || (want > 0 && want < have) ? want : have; };
+  // The reserve is the emulated GPU's when limits are given (a T4 reserves none; the H200 that
+  // emulates it 1 KB, which its far larger SM holds anyway).
+  return {held(requested.per_block, d.per_block), held(requested.per_sm, d.per_sm),
+          requested.per_block > 0 ? requested.reserved_per_block : d.reserved_per_block};
+}
+
 Arch resolve_arch(Arch requested, int compute_capability) {
   const int target = best_compiled_target(compute_capability);
   if (target == 0) return Arch::kAuto;
@@ -64,6 +87,8 @@ const char* status_string(Status s) {
     case Status::kUnsupportedArch: return "no kernel variant for this GPU / arch tag in this build";
     case Status::kInvalidArgument: return "invalid argument (alignment or size)";
     case Status::kCudaError: return "CUDA error";
+    case Status::kSharedMemoryExceeded:
+      return "no tile configuration of this arch variant fits the shared memory per block (see attention_tiles)";
   }
   return "unknown status";
 }

@@ -9,23 +9,29 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "mla_kv/arch.h"
+
 namespace mla_kv {
 namespace arch {
 
 struct Sm70 {
+  static constexpr Arch kArch = Arch::kSm70;
   static constexpr int kMinCudaArch = 700;
   static constexpr bool kHasBf16 = false;
 };
 struct Sm75 {
+  static constexpr Arch kArch = Arch::kSm75;
   static constexpr int kMinCudaArch = 750;
   static constexpr bool kHasBf16 = false;
 };
 struct Sm80 {
+  static constexpr Arch kArch = Arch::kSm80;
   static constexpr int kMinCudaArch = 800;
   static constexpr bool kHasBf16 = true;
 };
 // Hopper: wgmma, which exists only in sm_90a code (the build compiles its sm_90 target as sm_90a).
 struct Sm90 {
+  static constexpr Arch kArch = Arch::kSm90;
   static constexpr int kMinCudaArch = 900;
   static constexpr bool kHasBf16 = true;
 };

@@ -6,6 +6,7 @@
 
 #include "../arch/arch.cuh"
 #include "attention_launch.h"
+#include "tile_config.h"
 
 namespace mla_kv {
 namespace {
@@ -19,14 +20,6 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 // the cache faster than the Sm80 kernel's 16-row CTAs, two per SM, do even where the padding
 // quadruples the tensor work (H200, B=64 ctx 4K, H=16: 85% of copy bandwidth against 72%).
 bool uses_wgmma(Arch arch) { return arch == Arch::kSm90; }
-
-int block_m_for(int64_t rows, Arch arch) {
-  if (uses_wgmma(arch)) return 64;
-  if (rows <= 16) return 16;
-  // Volta's 96 KB of shared memory holds a 32-row Q tile next to the KV tile, not a 64-row one.
-  if (rows <= 32 || arch == Arch::kSm70) return 32;
-  return 64;
-}
 
 int grid_x_for(const AttentionParams& p, int block_m) {
   if (p.cu_q_lens == nullptr) return p.batch * ceil_div(int64_t(p.q_len) * p.num_heads, block_m);
@@ -44,11 +37,10 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows).
   if (p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0) return Status::kOk;
   if (p.num_splits > 1 && p.workspace == nullptr) return Status::kInvalidArgument;
-  // Packed batches size the CTA by the average rows per sequence (the schedule does the same).
-  const int64_t rows_per_seq = p.cu_q_lens == nullptr ? int64_t(p.q_len) * p.num_heads
-                                                      : ceil_div(p.total_q_tokens, p.batch) * int64_t(p.num_heads);
-  const int block_m = block_m_for(rows_per_seq, tag);
-  const int grid_x = grid_x_for(p, block_m);
+  const AttentionTiles tiles = attention_launch_tiles(p, tag);
+  if (tiles.block_m == 0) return Status::kSharedMemoryExceeded;
+  const int grid_x = grid_x_for(p, tiles.block_m);
+  const int config = tiles.config;
   using namespace attention_detail;
   if (uses_wgmma(tag)) {
     return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
@@ -56,33 +48,72 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   }
   if (p.dtype == DType::kBFloat16) {
     if (tag != Arch::kSm80) return Status::kUnsupportedDType;
-    return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, block_m, grid_x, stream);
+    return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, config, grid_x, stream);
   }
   switch (tag) {
-    case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, block_m, grid_x, stream);
-    case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, block_m, grid_x, stream);
-    default: return launch_attention<arch::Sm80, __half>(p, rows, block_m, grid_x, stream);
+    case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, config, grid_x, stream);
+    case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, config, grid_x, stream);
+    default: return launch_attention<arch::Sm80, __half>(p, rows, config, grid_x, stream);
   }
 }
 
 }  // namespace
 
+AttentionTiles attention_tiles(Arch tag, int64_t rows_per_seq, SmemLimits limits) {
+  using namespace attention_detail;
+  const SmemLimits l = effective_smem_limits(limits);
+  auto resident = [&](int bytes, int most) {
+    return std::max(0, std::min(most, l.per_sm / (bytes + l.reserved_per_block)));
+  };
+  if (uses_wgmma(tag)) {
+    const int bytes = wgmma_smem_bytes();
+    const bool fits = bytes <= l.per_block && resident(bytes, 1) > 0;
+    return {fits ? 64 : 0, 64, 2, bytes, 1, bytes, 0};
+  }
+  const TileConfigs list = tile_configs(tag);
+  int smallest = 0;
+  for (int i = 0; i < list.count; ++i) {
+    const int bytes = int(smem_bytes(list.at[i]));
+    smallest = smallest == 0 ? bytes : std::min(smallest, bytes);
+  }
+  // The tallest CTA a sequence's rows can use: 64 rows read each cache tile once for up to 64
+  // (token, head) rows; a shorter one where the device cannot hold it (more CTAs, more reads).
+  const int wanted = rows_per_seq <= 16 ? 16 : rows_per_seq <= 32 ? 32 : 64;
+  for (int block_m = wanted; block_m >= 16; block_m /= 2) {
+    for (int i = 0; i < list.count; ++i) {
+      const TileConfig& c = list.at[i];
+      const int bytes = int(smem_bytes(c));
+      if (c.block_m != block_m || bytes > l.per_block || resident(bytes, c.max_ctas_per_sm) == 0) continue;
+      return {c.block_m, c.block_n, c.stages, bytes, resident(bytes, c.max_ctas_per_sm), smallest, i};
+    }
+  }
+  return {0, 0, 0, 0, 0, smallest, -1};
+}
+
+AttentionTiles attention_launch_tiles(const AttentionParams& p, Arch tag) {
+  // Packed batches size the CTA by the average rows per sequence (the schedule does the same).
+  const int64_t rows_per_seq = p.cu_q_lens == nullptr || p.batch == 0
+                                   ? int64_t(p.q_len) * p.num_heads
+                                   : ceil_div(p.total_q_tokens, p.batch) * int64_t(p.num_heads);
+  return attention_tiles(tag, rows_per_seq, p.smem_limits);
+}
+
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
-                                          int sm_count, Arch arch) {
+                                          int sm_count, Arch arch, SmemLimits limits) {
   if (arch == Arch::kAuto) arch = resolve_arch(arch, device_compute_capability());
-  const int block_m = block_m_for(q_len * num_heads, arch);
+  const AttentionTiles tiles = attention_tiles(arch, int64_t(q_len) * num_heads, limits);
+  const int block_m = std::max(tiles.block_m, 16);  // (no configuration fits: the launch will say so)
   const int64_t ctas = int64_t(batch) * ceil_div(int64_t(q_len) * num_heads, block_m);
   // Split the KV only when the (sequence, head block) CTAs cannot fill the GPU, and then into as
-  // many pieces as fit in one wave (a CTA holds a whole SM's shared memory): a second, partial wave
-  // would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
-  // (16-row CTAs of the Sm80 kernel run two per SM.)
-  const int64_t slots = int64_t(sm_count) * (block_m == 16 && arch != Arch::kSm70 && arch != Arch::kSm75 ? 2 : 1);
+  // many pieces as fit in one wave (a CTA holds most of an SM's shared memory): a second, partial
+  // wave would cost a whole CTA time. Splits stay long enough that the combine is a small extra.
+  const int64_t slots = int64_t(sm_count) * std::max(tiles.ctas_per_sm, 1);
   int splits = 1;
   if (ctas > 0 && 2 * ctas <= slots && max_kv_len > kMinTokensPerSplit)  // (an empty batch: nothing to split)
     splits = std::max(1, std::min<int>(int(slots / ctas), ceil_div(max_kv_len, kMinTokensPerSplit)));
   int tokens = ceil_div(std::max<int64_t>(max_kv_len, 1), splits);
   tokens = ceil_div(tokens, kTileTokens) * kTileTokens;
-  return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens};
+  return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens, tiles};
 }
 
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits) {

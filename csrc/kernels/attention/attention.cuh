@@ -18,55 +18,45 @@
 #include "../arch/mma.cuh"
 #include "../address.cuh"
 #include "mla_kv/attention.h"
+#include "tile_config.h"
 
 namespace mla_kv {
 namespace attention_detail {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kPitch = kRowDim + 8;         // smem row pitch (elements): rows shift 4 banks
 constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
 constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleLog2 = 8.f;  // see raised_max
 
-// Tiling of a CTA of kBlockM query rows on tag A.
+// Configuration kConfig of tag A (tile_config.h), as the kernel's compile-time constants.
 //  - kN cache rows per tile: every tile costs four block barriers and a softmax pass whatever its
-//    size, so the 32-row Sm80 CTA (one per SM, latency-bound) takes 64 rows per step; 64-row CTAs
-//    (no shared memory left for it), 16-row CTAs (two per SM instead) and the register-staged
-//    Volta/Turing path (64 rows would not fit in registers) take 32.
-//  - kStages tiles in flight: a cp.async ring on Sm80+; Volta/Turing stage the next tile in
-//    registers. A 16-row Sm80 CTA keeps two stages so that two CTAs share an SM.
-//  - Q.K^T: a warp computes kQkTilesM x C::kQkTilesN 16x16 score tiles over one of kSplitK slices of
+//    size; the register-staged path and the configurations that fit 99-163 KB take 32.
+//  - kStages tiles in flight: a cp.async ring on Sm80+; 1 stages the next tile in registers.
+//  - Q.K^T: a warp computes kQkTilesM x kQkTilesN 16x16 score tiles over one of kSplitK slices of
 //    the 576-d contraction, which meet in shared memory. Bigger warp tiles reuse each loaded
 //    fragment more, more slices cost more partial sums in shared memory.
-template <class A, int kBlockM>
+template <class A, int kConfig>
 struct Tiling {
-  static constexpr bool kAsync = A::kMinCudaArch >= 800;
-  static constexpr int kN = (kAsync && kBlockM == 32) ? 64 : 32;
-  static constexpr int kStages = !kAsync ? 1 : (kBlockM <= 16 || kN == 64) ? 2 : 3;
-  static constexpr int kCtasPerSm = (kAsync && kBlockM <= 16) ? 2 : 1;
+  static constexpr TileConfig kCfg = tile_configs(A::kArch).at[kConfig];
+  static_assert(kConfig < tile_configs(A::kArch).count, "no such tile configuration");
+  static_assert(kCfg.stages == 1 || A::kMinCudaArch >= 800, "cp.async needs Sm80");
+  static_assert(smem_bytes(kCfg) <= size_t(kCfg.meant_for.per_block),
+                "the configuration exceeds the shared memory of the GPUs it is meant for");
+  static constexpr int kBlockM = kCfg.block_m;
+  static constexpr int kN = kCfg.block_n;
+  static constexpr int kStages = kCfg.stages;
+  static constexpr bool kProbsInScores = kCfg.probs_in_scores;
+  static constexpr int kCtasPerSm = kCfg.max_ctas_per_sm;
   static constexpr int kTilesM = kBlockM / 16;
-  static constexpr int kQkTilesM = kBlockM >= 64 ? 2 : 1;
-  static constexpr int kQkTilesN = kN == 64 ? 2 : 1;
-  static constexpr int kQkGroups = (kTilesM / kQkTilesM) * (kN / 16 / kQkTilesN);
-  static constexpr int kSplitK = kWarps / kQkGroups;  // warps sharing one group of score tiles
-  static constexpr int kScorePitch = kN + 4;          // fp32 score row pitch
-  static constexpr int kProbPitch = kN + 8;           // P row pitch (elements)
-  static constexpr int kRowsPerWarp = kN / kWarps;    // tile rows a warp loads
-  static_assert(kWarps % kQkGroups == 0 && (kRowDim / 16) % kSplitK == 0, "Q.K^T warp tiling");
-};
-
-template <class A, int kBlockM>
-struct SmemLayout {
-  using C = Tiling<A, kBlockM>;
-  static constexpr size_t kQ = size_t(kBlockM) * kPitch * 2;
-  static constexpr size_t kKv = size_t(C::kStages) * C::kN * kPitch * 2;
-  static constexpr size_t kScores = size_t(C::kSplitK) * kBlockM * C::kScorePitch * 4;
-  static constexpr size_t kProbs = size_t(kBlockM) * C::kProbPitch * 2;
-  static constexpr size_t kRowStats = size_t(kBlockM) * 4;
-  static constexpr size_t kBytes = kQ + kKv + kScores + kProbs + 3 * kRowStats;
+  static constexpr int kQkTilesM = qk_tiles_m(kCfg);
+  static constexpr int kQkTilesN = qk_tiles_n(kCfg);
+  static constexpr int kQkGroups = qk_groups(kCfg);
+  static constexpr int kSplitK = split_k(kCfg);  // warps sharing one group of score tiles
+  static constexpr int kScorePitch = score_pitch(kCfg);
+  static constexpr int kProbPitch = prob_pitch(kCfg);
+  static constexpr int kRowsPerWarp = kN / kWarps;  // tile rows a warp loads
+  static constexpr SmemParts kSmem = smem_parts(kCfg);
 };
 
 // Which sequence, query rows and kv range a CTA owns.
@@ -153,20 +143,20 @@ __device__ __forceinline__ int4 q_vector(const AttentionParams& p, const Work& w
   return src ? *reinterpret_cast<const int4*>(src + c * 8) : make_int4(0, 0, 0, 0);
 }
 
-template <class A, class T, int kBlockM, class Rows>
-__global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) attention_kernel(const AttentionParams p, const Rows rows) {
+template <class A, class T, int kConfig, class Rows>
+__global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
-    using L = SmemLayout<A, kBlockM>;
-    using C = Tiling<A, kBlockM>;
-    constexpr int kBlockN = C::kN, kStages = C::kStages, kRowsPerWarp = C::kRowsPerWarp;
+    using C = Tiling<A, kConfig>;
+    constexpr SmemParts L = C::kSmem;
+    constexpr int kBlockM = C::kBlockM, kBlockN = C::kN, kStages = C::kStages, kRowsPerWarp = C::kRowsPerWarp;
     constexpr int kScorePitch = C::kScorePitch, kProbPitch = C::kProbPitch;
     using Mma = arch::WarpMma16<A, T>;
     extern __shared__ __align__(16) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
-    T* kv_s = reinterpret_cast<T*>(smem + L::kQ);
-    float* score_s = reinterpret_cast<float*>(smem + L::kQ + L::kKv);
-    T* prob_s = reinterpret_cast<T*>(smem + L::kQ + L::kKv + L::kScores);
-    float* alpha_s = reinterpret_cast<float*>(smem + L::kQ + L::kKv + L::kScores + L::kProbs);
+    T* kv_s = reinterpret_cast<T*>(smem + L.q);
+    float* score_s = reinterpret_cast<float*>(smem + L.q + L.kv);
+    T* prob_s = reinterpret_cast<T*>(smem + L.q + L.kv + (C::kProbsInScores ? 0 : L.scores));
+    float* alpha_s = reinterpret_cast<float*>(smem + L.q + L.kv + L.scores + L.probs);
     float* max_s = alpha_s + kBlockM;
     float* sum_s = max_s + kBlockM;
 
@@ -355,6 +345,9 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kBlockM>::kCtasPerSm)) at
           tile_sum += pr;
           pv.v[c] = arch::from_float<T>(pr);
         }
+        // P over the partials (Turing's tile): row r's P overwrites only row r's partials, which the
+        // warp's own lanes read above; the warp barrier orders those reads before these stores.
+        if constexpr (C::kProbsInScores) __syncwarp();
         arch::store<T, kRowCols>(prob_s + my_row * kProbPitch + my_col0, pv);
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
@@ -650,20 +643,26 @@ Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
-template <class A, class T, class Rows>
-Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream) {
-  auto go = [&](auto kernel, size_t smem) {
+// Launches tile configuration `config` of tag A (dispatch chose one that fits the device).
+template <class A, class T, class Rows, int kConfig = 0>
+Status launch_tiles(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
+  if constexpr (kConfig < tile_configs(A::kArch).count) {
+    if (config != kConfig) return launch_tiles<A, T, Rows, kConfig + 1>(p, rows, config, grid_x, stream);
+    const auto kernel = attention_kernel<A, T, kConfig, Rows>;
+    constexpr size_t smem = Tiling<A, kConfig>::kSmem.total();
     if (smem > 48 * 1024 &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
       return Status::kCudaError;
     kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
     return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
-  };
-  Status s;
-  if (block_m == 16) s = go(attention_kernel<A, T, 16, Rows>, SmemLayout<A, 16>::kBytes);
-  else if (block_m == 32) s = go(attention_kernel<A, T, 32, Rows>, SmemLayout<A, 32>::kBytes);
-  else if constexpr (A::kMinCudaArch >= 750) s = go(attention_kernel<A, T, 64, Rows>, SmemLayout<A, 64>::kBytes);
-  else return Status::kInvalidArgument;  // Volta's shared memory holds at most 32 query rows
+  } else {
+    return Status::kInvalidArgument;
+  }
+}
+
+template <class A, class T, class Rows>
+Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
+  const Status s = launch_tiles<A, T, Rows>(p, rows, config, grid_x, stream);
   return s == Status::kOk ? launch_combine<T>(p, stream) : s;
 }
 

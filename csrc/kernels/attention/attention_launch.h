@@ -8,10 +8,12 @@
 namespace mla_kv {
 namespace attention_detail {
 
+// Tag A's tile configuration `config` (tile_config.h), then the split-KV combine.
 template <class A, class T, class Rows>
-Status launch_attention(const AttentionParams& p, const Rows& rows, int block_m, int grid_x, cudaStream_t stream);
+Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream);
 
-// Hopper: 64-row CTAs on wgmma (attention_sm90.cuh).
+// Hopper: 64-row CTAs on wgmma (attention_sm90.cuh), whose shared memory per CTA is this.
+int wgmma_smem_bytes();
 template <class T, class Rows>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream);
 

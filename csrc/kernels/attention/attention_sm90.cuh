@@ -77,7 +77,7 @@ constexpr size_t kProbOffset = kKvOffset + 2 * size_t(kTileBytes);  // P0
 constexpr size_t kStatsOffset = kProbOffset + kChunkBytes;
 constexpr size_t kBarrierOffset = kStatsOffset + 4 * kRows * sizeof(float);
 constexpr size_t kBytes = kBarrierOffset + 8 * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
-static_assert(kBytes <= 227 * 1024, "Hopper's shared memory per CTA");
+static_assert(kBytes <= size_t(kSmemHopper.per_block), "Hopper's shared memory per CTA (H100 / H200)");
 
 template <class T>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {

@@ -3,3 +3,5 @@
 #include "attention_launch.h"
 
 MLA_KV_INSTANTIATE_ATTENTION_WGMMA(__half)
+
+int mla_kv::attention_detail::wgmma_smem_bytes() { return int(mla_kv::attention_detail::sm90::kBytes); }

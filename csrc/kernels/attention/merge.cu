@@ -11,7 +11,7 @@ namespace {
 constexpr int kRowsPerBlock = 4;
 
 template <class T>
-__global__ void merge_states_kernel(const MergeParams p) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32) merge_states_kernel(const MergeParams p) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   if (r >= p.num_rows) return;
   const int lane = threadIdx.x & 31;
