@@ -437,6 +437,14 @@ def _info(args) -> int:
             arch = compiled.resolve_arch(compiled.Arch.auto, cc)
             variant = "none (no compiled target at or below this GPU)" if arch == compiled.Arch.auto else arch.name
         print(f"GPU {i}        {props.name}, sm_{cc}, {props.total_memory / GiB:.1f} GiB -> kernel variant {variant}")
+        if compiled is not None and arch != compiled.Arch.auto:
+            with torch.cuda.device(i):
+                limits = compiled.device_smem_limits()
+                tiles = [compiled.attention_tiles(arch, rows, compiled.SmemLimits()) for rows in (16, 32, 64)]
+            shapes = ", ".join(f"{t.block_m}x{t.block_n}/{t.stages} {t.smem_bytes:,} B" if t.block_m else "none fits"
+                               for t in tiles)
+            print(f"             shared memory {limits.per_block:,} B per block, {limits.per_sm:,} per SM; "
+                  f"attention tiles for 16 / 32 / 64 rows: {shapes}")
     return 0
 
 
