@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 ARCHS = ("Sm70", "Sm75", "Sm80", "Sm90")
 ALL = ARCHS
 WRITE_ARCHS = ("Sm70", "Sm80")   # write/gather variants (Sm75 runs Sm70's, Sm90 runs Sm80's)
-MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (attention.cuh)
+MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
 FAMILIES = ("write", "gather", "attention", "combine", "merge", "schedule")
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
           "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
@@ -41,7 +41,9 @@ ARCH_CUH = "csrc/kernels/arch/arch.cuh"
 MMA_CUH = "csrc/kernels/arch/mma.cuh"
 WGMMA_CUH = "csrc/kernels/arch/wgmma.cuh"
 GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
-ATTENTION_CUH = "csrc/kernels/attention/attention.cuh"
+COMMON_CUH = "csrc/kernels/attention/common.cuh"
+MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
+COMBINE_CU = "csrc/kernels/attention/combine.cu"
 ATTENTION_CU = "csrc/kernels/attention/attention.cu"
 SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
 MERGE_CU = "csrc/kernels/attention/merge.cu"
@@ -159,43 +161,43 @@ MUTATIONS = (
              "if (cu_lens[mid] <= t) lo = mid; else hi = mid - 1;", "if (cu_lens[mid] < t) lo = mid; else hi = mid - 1;",
              T_GATHER + T_WRITE, "a sequence's first packed row is looked up in the previous sequence"),
     # ------------------------------------------------------------------ attention (shared, mma.sync kernel)
-    Mutation("causal-own-token", "attention", ALL, ("mask", "decode", "prefill"), ATTENTION_CUH,
+    Mutation("causal-own-token", "attention", ALL, ("mask", "decode", "prefill"), COMMON_CUH,
              "limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);",
              "limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s : w.kv_len);", T_ATTENTION,
              "causal limit off by one: a query does not see its own key"),
-    Mutation("causal-cta-range", "attention", ALL, ("mask", "decode", "prefill"), ATTENTION_CUH,
+    Mutation("causal-cta-range", "attention", ALL, ("mask", "decode", "prefill"), COMMON_CUH,
              "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;",
              "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads : w.kv_len;", T_ATTENTION,
              "a CTA's kv range stops one key before its last query's own key"),
-    Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), ATTENTION_CUH,
+    Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), MMA_SYNC_CUH,
              "sc[c] = (j0 + my_col0 + c < row_limit) ? sc[c] * scale_log2 : -INFINITY;",
              "sc[c] = (j0 + my_col0 + c <= row_limit) ? sc[c] * scale_log2 : -INFINITY;", T_ATTENTION,
              "mma.sync kernel: the key at a row's limit (next token, or a zero row past the end) is scored"),
-    Mutation("mma-sync-scale-not-log2", "attention", MMA_SYNC, ("softmax",), ATTENTION_CUH,
+    Mutation("mma-sync-scale-not-log2", "attention", MMA_SYNC, ("softmax",), MMA_SYNC_CUH,
              "const float scale_log2 = p.softmax_scale * kLog2e;", "const float scale_log2 = p.softmax_scale;",
              T_ATTENTION, "mma.sync kernel: exp2 of scores scaled for exp (softmax temperature x1.44)"),
-    Mutation("rescale-factor-inverted", "attention", ALL, ("rescale", "softmax"), ATTENTION_CUH,
+    Mutation("rescale-factor-inverted", "attention", ALL, ("rescale", "softmax"), COMMON_CUH,
              "return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);",
              "return kFlushDenormals ? arch::exp2_ftz(new_max - old_max) : exp2f(new_max - old_max);", T_ATTENTION,
              "online softmax rescale factor 2^(new - old): infinite on the first tile, 0 x inf = NaN"),
-    Mutation("mma-sync-row-sum-not-rescaled", "attention", MMA_SYNC, ("rescale",), ATTENTION_CUH,
+    Mutation("mma-sync-row-sum-not-rescaled", "attention", MMA_SYNC, ("rescale",), MMA_SYNC_CUH,
              "row_sum = row_sum * alpha + tile_sum;", "row_sum = row_sum + tile_sum;", T_SCORES + T_ATTENTION,
              "mma.sync kernel: the row sum keeps its old scale when the running max moves (score jump)",
              focus=RESCALE_FOCUS),
-    Mutation("mma-sync-lse-base", "attention", MMA_SYNC, ("lse",), ATTENTION_CUH,
+    Mutation("mma-sync-lse-base", "attention", MMA_SYNC, ("lse",), MMA_SYNC_CUH,
              "const float lse = l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;",
              "const float lse = l > 0.f ? (max_s[tid] + logf(l)) * kLn2 : -INFINITY;", T_ATTENTION,
              "mma.sync kernel: lse adds ln(sum) to a log2-domain max"),
-    Mutation("decode-ctas-per-sequence", "attention", ALL, ("decode",), ATTENTION_CUH,
+    Mutation("decode-ctas-per-sequence", "attention", ALL, ("decode",), COMMON_CUH,
              "const int per_seq = (p.q_len * p.num_heads + kBlockM - 1) / kBlockM;",
              "const int per_seq = p.q_len * p.num_heads / kBlockM;", T_ATTENTION,
              "decode: CTAs per sequence rounded down (a sequence's last, partial CTA is lost)"),
-    Mutation("prefill-ctas-per-sequence", "attention", ALL, ("prefill",), ATTENTION_CUH,
+    Mutation("prefill-ctas-per-sequence", "attention", ALL, ("prefill",), COMMON_CUH,
              "n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;",
              "n = (p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads / kBlockM;", T_ATTENTION,
              "packed prefill: CTAs per sequence rounded down (rows of its last CTA never written)",
              focus="prefill"),
-    Mutation("split-range-short", "attention", ALL, ("split",), ATTENTION_CUH,
+    Mutation("split-range-short", "attention", ALL, ("split",), COMMON_CUH,
              "w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);",
              "w.kv_hi = min(min(w.kv_lo + p.tokens_per_split - 1, w.kv_len), visible);", T_ATTENTION,
              "a split's kv range drops its last position"),
@@ -223,10 +225,10 @@ MUTATIONS = (
              ': "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));',
              ': "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][1]), "r"(b.r[h][0]));', T_ATTENTION,
              "mma.m16n8k16 bf16: B's two k-half registers swapped", occurrence=1),
-    Mutation("sm80-cp-async-lookahead", "attention", ("Sm80",), ("pipeline", "cp.async"), ATTENTION_CUH,
+    Mutation("sm80-cp-async-lookahead", "attention", ("Sm80",), ("pipeline", "cp.async"), MMA_SYNC_CUH,
              "lookup(j0 + (kStages + 1) * kBlockN);", "lookup(j0 + kStages * kBlockN);", T_ATTENTION,
              "cp.async ring: the refill after the next one looks up the same tile again"),
-    Mutation("register-staging-lookahead", "attention", ("Sm70", "Sm75"), ("pipeline",), ATTENTION_CUH,
+    Mutation("register-staging-lookahead", "attention", ("Sm70", "Sm75"), ("pipeline",), MMA_SYNC_CUH,
              "lookup(j0 + 2 * kBlockN);", "lookup(j0 + kBlockN);", T_ATTENTION,
              "Volta/Turing register staging: the tile after next gets the next tile's rows"),
     # ------------------------------------------------------------------ Sm90 wgmma kernel
@@ -270,15 +272,15 @@ MUTATIONS = (
              "seesaw: warpgroup 0 re-reads its own max instead of warpgroup 1's (wrong after a score jump "
              "in a pair's second tile)", focus=RESCALE_FOCUS),
     # ------------------------------------------------------------------ split-KV combine
-    Mutation("combine-few-lse", "combine", ALL, ("split", "lse"), ATTENTION_CUH,
+    Mutation("combine-few-lse", "combine", ALL, ("split", "lse"), COMBINE_CU,
              "denom > 0.f ? m + logf(denom) : -INFINITY;", "denom > 0.f ? m : -INFINITY;", T_ATTENTION,
              "combine of <= 8 splits: merged lse is the largest split's, without log(sum of weights)",
              occurrence=2),
-    Mutation("combine-many-unweighted", "combine", ALL, ("split",), ATTENTION_CUH,
+    Mutation("combine-many-unweighted", "combine", ALL, ("split",), COMBINE_CU,
              "o[g].x += wgt * x[u][g].x;", "o[g].x += x[u][g].x;", T_ATTENTION + T_SCORES,
              "combine of > 8 splits: even columns summed without the split weights", occurrence=1,
              focus="split"),
-    Mutation("combine-many-padded-row", "combine", ALL, ("split", "prefill", "guard"), ATTENTION_CUH,
+    Mutation("combine-many-padded-row", "combine", ALL, ("split", "prefill", "guard"), COMBINE_CU,
              "if (p.cu_q_lens != nullptr && flat >= int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;",
              "if (p.cu_q_lens != nullptr && flat > int64_t(p.cu_q_lens[p.batch]) * p.num_heads) return;",
              T_ATTENTION, "combine of > 8 splits writes the first padded row past cu_q_lens[B]",

@@ -1,5 +1,5 @@
 // pybind11 module: converts Python ints (pointers, strides, stream) to the C++ API's structs and
-// calls invoke*. No validation here (python/mla_kv/ops.py does it) and no libtorch.
+// calls invoke*. No validation here (python/mla_kv/ops/ does it) and no libtorch.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -8,10 +8,11 @@
 
 #include "mla_kv/arch.h"
 #include "mla_kv/attention.h"
-#include "mla_kv/bench.h"
 #include "mla_kv/gather.h"
 #include "mla_kv/layout.h"
+#include "mla_kv/merge.h"
 #include "mla_kv/write.h"
+#include "../bench/mma_throughput.h"
 
 namespace py = pybind11;
 using namespace mla_kv;
@@ -64,6 +65,9 @@ PYBIND11_MODULE(_C, m) {
     for (const GpuClass& g : kGpuClasses) classes.append(py::make_tuple(g.name, g.tag, g.smem));
     m.attr("gpu_classes") = classes;
   }
+  py::enum_<TileLoads>(m, "TileLoads")
+      .value("auto", TileLoads::kAuto)
+      .value("cp_async", TileLoads::kCpAsync);
   py::enum_<RopeStyle>(m, "RopeStyle")
       .value("interleaved", RopeStyle::kInterleaved)
       .value("neox", RopeStyle::kNeox);
@@ -152,7 +156,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("num_splits", &AttentionParams::num_splits)
       .def_readwrite("tokens_per_split", &AttentionParams::tokens_per_split)
       .PTR_PROPERTY(AttentionParams, workspace)
-      .def_readwrite("smem_limits", &AttentionParams::smem_limits);
+      .def_readwrite("smem_limits", &AttentionParams::smem_limits)
+      .def_readwrite("tile_loads", &AttentionParams::tile_loads);
 
   py::class_<AttentionTiles>(m, "AttentionTiles")
       .def_readonly("block_m", &AttentionTiles::block_m)
@@ -171,6 +176,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_heads"), py::arg("max_kv_len"), py::arg("sm_count"), py::arg("arch"),
         py::arg("limits") = SmemLimits{});
   m.def("attention_workspace_size", &attention_workspace_size);
+  m.def("attention_splits_valid", [](int num_splits, int tokens_per_split, int64_t max_kv_len) {
+    return check_attention_splits(num_splits, tokens_per_split, max_kv_len) == Status::kOk;
+  });
   m.attr("max_attention_splits") = kMaxAttentionSplits;
   m.def("attention_paged",
         [](const AttentionParams& p, const PagedCache& cache, uintptr_t block_table, int64_t block_table_stride,
@@ -183,12 +191,21 @@ PYBIND11_MODULE(_C, m) {
                                uintptr_t stream) {
     check(invokeAttentionBlocks(p, cache, arch, as_stream(stream)), "attention_blocks");
   });
-  m.def("merge_states", [](DType dtype, int64_t num_rows, int dim, uintptr_t out_a, int64_t out_a_stride,
-                           uintptr_t lse_a, uintptr_t out_b, int64_t out_b_stride, uintptr_t lse_b, uintptr_t out,
-                           int64_t out_stride, uintptr_t lse, uintptr_t stream) {
-    const MergeParams p{dtype, num_rows, dim, as_ptr<const void>(out_a), out_a_stride, as_ptr<const float>(lse_a),
-                        as_ptr<const void>(out_b), out_b_stride, as_ptr<const float>(lse_b), as_ptr<void>(out),
-                        out_stride, as_ptr<float>(lse)};
+  py::class_<MergeParams>(m, "MergeParams")
+      .def(py::init([]() { return MergeParams{}; }))
+      .def_readwrite("dtype", &MergeParams::dtype)
+      .def_readwrite("num_rows", &MergeParams::num_rows)
+      .def_readwrite("dim", &MergeParams::dim)
+      .PTR_PROPERTY(MergeParams, out_a)
+      .def_readwrite("out_a_stride", &MergeParams::out_a_stride)
+      .PTR_PROPERTY(MergeParams, lse_a)
+      .PTR_PROPERTY(MergeParams, out_b)
+      .def_readwrite("out_b_stride", &MergeParams::out_b_stride)
+      .PTR_PROPERTY(MergeParams, lse_b)
+      .PTR_PROPERTY(MergeParams, out)
+      .def_readwrite("out_stride", &MergeParams::out_stride)
+      .PTR_PROPERTY(MergeParams, lse);
+  m.def("merge_states", [](const MergeParams& p, uintptr_t stream) {
     check(invokeMergeStates(p, as_stream(stream)), "merge_states");
   });
 
@@ -198,29 +215,27 @@ PYBIND11_MODULE(_C, m) {
     return flops;
   });
 
-  // gather_kv: pointers and sizes in, the paged or block-pointer cache as the other ops take it.
-  const auto gather_params = [](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts, uintptr_t out,
-                                int64_t out_rows, int64_t out_stride) {
-    return GatherKvParams{dtype, batch, as_ptr<const int>(cu_kv_lens), as_ptr<const int>(starts),
-                          as_ptr<void>(out), out_rows, out_stride};
-  };
-  m.def("gather_kv_paged", [gather_params](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts,
-                                           uintptr_t out, int64_t out_rows, int64_t out_stride,
-                                           const PagedCache& cache, uintptr_t block_table,
-                                           int64_t block_table_stride, int max_blocks, Arch arch, uintptr_t stream) {
-    check(invokeGatherKvPaged(gather_params(dtype, batch, cu_kv_lens, starts, out, out_rows, out_stride), cache,
-                              as_ptr<const int>(block_table), block_table_stride, max_blocks, arch, as_stream(stream)),
+  py::class_<GatherKvParams>(m, "GatherKvParams")
+      .def(py::init([]() { return GatherKvParams{}; }))
+      .def_readwrite("dtype", &GatherKvParams::dtype)
+      .def_readwrite("batch", &GatherKvParams::batch)
+      .PTR_PROPERTY(GatherKvParams, cu_kv_lens)
+      .PTR_PROPERTY(GatherKvParams, starts)
+      .PTR_PROPERTY(GatherKvParams, out)
+      .def_readwrite("out_rows", &GatherKvParams::out_rows)
+      .def_readwrite("out_stride", &GatherKvParams::out_stride);
+  m.def("gather_kv_paged", [](const GatherKvParams& p, const PagedCache& cache, uintptr_t block_table,
+                              int64_t block_table_stride, int max_blocks, Arch arch, uintptr_t stream) {
+    check(invokeGatherKvPaged(p, cache, as_ptr<const int>(block_table), block_table_stride, max_blocks, arch,
+                              as_stream(stream)),
           "gather_kv");
   });
-  m.def("gather_kv_blocks", [gather_params](DType dtype, int batch, uintptr_t cu_kv_lens, uintptr_t starts,
-                                            uintptr_t out, int64_t out_rows, int64_t out_stride,
-                                            const BlockPointerCache& cache, Arch arch, uintptr_t stream) {
-    check(invokeGatherKvBlocks(gather_params(dtype, batch, cu_kv_lens, starts, out, out_rows, out_stride), cache,
-                               arch, as_stream(stream)),
-          "gather_kv");
+  m.def("gather_kv_blocks", [](const GatherKvParams& p, const BlockPointerCache& cache, Arch arch, uintptr_t stream) {
+    check(invokeGatherKvBlocks(p, cache, arch, as_stream(stream)), "gather_kv");
   });
 
   m.def("compiled_cuda_archs", &compiled_cuda_archs);
   m.def("device_compute_capability", &device_compute_capability);
   m.def("resolve_arch", &resolve_arch);
+  m.def("tag_has_bf16", &tag_has_bf16);
 }

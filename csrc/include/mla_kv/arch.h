@@ -18,6 +18,10 @@ int device_compute_capability();
 // Resolves kAuto to the device's best tag; returns kAuto for an explicit tag the device cannot run.
 Arch resolve_arch(Arch requested, int compute_capability);
 
+// True when tag's kernels compute in bf16 (the Sm80 tag and newer; copies such as gather_kv move
+// bf16 on every tag). The write and attention entry points return kUnsupportedDType otherwise.
+bool tag_has_bf16(Arch tag);
+
 // Shared memory a kernel launch may use: per CTA (the opt-in maximum), per SM, and the part of each
 // resident CTA's share the driver keeps for itself (sm80+: 1 KB). A field of 0 means the current
 // device's value; smaller values make a launch plan (and check) as it would on a smaller GPU.

@@ -4,7 +4,7 @@
 // query token s attends to positions < kv_len_b - q_len_b + s + 1 (causal) or to all kv_len_b.
 // score(h, j) = softmax_scale * (q_lat[h] . c_kv[j] + q_pe[h] . k_pe[j]); out[h] = softmax . c_kv,
 // lse = natural log of the softmax denominator (of the scaled scores). A query that sees no key
-// gets out = 0 and lse = -inf. Reference: python/mla_kv/reference_attention.py (decode, prefill).
+// gets out = 0 and lse = -inf. Reference: python/mla_kv/reference/attention.py (decode, prefill).
 #pragma once
 
 #include <cstddef>
@@ -18,6 +18,11 @@
 namespace mla_kv {
 
 constexpr int kMaxAttentionSplits = 1024;
+
+// How the Hopper kernel loads cache tiles: kAuto takes TMA where a paged cache's tiles are whole
+// boxes of a tensor map (and cp.async elsewhere); kCpAsync takes cp.async on every cache (for
+// side-by-side measurement). Other variants always copy with cp.async or registers.
+enum class TileLoads : int { kAuto = 0, kCpAsync = 1 };
 
 struct AttentionParams {
   DType dtype;        // of q, out and the cache
@@ -46,6 +51,7 @@ struct AttentionParams {
   // The shared memory the launch plans for (zeros: the device's). Smaller values make it take the
   // tiles a smaller GPU would (the GPU tests emulate each GPU class this way); pass the schedule's.
   SmemLimits smem_limits;
+  TileLoads tile_loads = TileLoads::kAuto;
 };
 
 // The tile configuration a launch takes: the tallest CTA up to the rows a sequence needs whose
@@ -79,6 +85,10 @@ struct AttentionSchedule {
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
                                           int sm_count, Arch arch, SmemLimits limits = {});
 
+// kOk when a split plan is valid (1 <= num_splits <= kMaxAttentionSplits, tokens_per_split >= 1) and
+// covers kv positions [0, max_kv_len); kInvalidArgument otherwise (a shorter plan would drop keys).
+Status check_attention_splits(int num_splits, int tokens_per_split, int64_t max_kv_len);
+
 // Bytes of workspace a launch with these sizes needs (0 when num_splits == 1).
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);
 
@@ -93,17 +103,5 @@ Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cac
 // splits must cover every sequence's kv_len (device data: the caller's bound, not checked here).
 Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache, Arch arch,
                              cudaStream_t stream);
-
-// out = merge of two partial attention states over disjoint key sets, by their lse (natural log):
-// rows [num_rows, dim] with row strides (elements); lse [num_rows] contiguous fp32.
-struct MergeParams {
-  DType dtype;  // of the outs
-  int64_t num_rows;
-  int dim;
-  const void* out_a; int64_t out_a_stride; const float* lse_a;
-  const void* out_b; int64_t out_b_stride; const float* lse_b;
-  void* out; int64_t out_stride; float* lse;  // lse may be nullptr
-};
-Status invokeMergeStates(const MergeParams& params, cudaStream_t stream);
 
 }  // namespace mla_kv

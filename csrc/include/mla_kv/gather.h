@@ -9,7 +9,7 @@
 // block id outside the cache, a negative position) and out rows at or past cu_kv_lens[batch] are
 // left untouched: the op never reads or writes outside the cache and out.
 // The op is a copy with no arithmetic: every dtype runs on every arch tag (bf16 on Sm70 too).
-// Reference: python/mla_kv/reference_attention.py (gather_kv, gather_kv_blocks).
+// Reference: python/mla_kv/reference/gather.py (gather_kv, gather_kv_blocks).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,7 @@
 //   write:       row = [kv_c | k_pe] as given (already normalized and rotated)
 //   fused write: row = [RMSNorm(kv_c) * w | RoPE(k_pe, position)], optionally rotating the rope
 //                part of q in place in the same launch.
-// Reference semantics: python/mla_kv/reference.py (write_kv, fused_write_kv).
+// Reference semantics: python/mla_kv/reference/write.py (write_kv, fused_write_kv).
 #pragma once
 
 #include <cstdint>

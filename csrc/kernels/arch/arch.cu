@@ -1,6 +1,7 @@
 // Host side of the arch layer: which tag a device runs, and status strings.
 #include <cuda_runtime.h>
 
+#include "arch.cuh"
 #include "mla_kv/arch.h"
 #include "mla_kv/layout.h"
 
@@ -42,6 +43,16 @@ int device_compute_capability() {
   const int cc = major * 10 + minor;
   if (dev < kMaxDevices) cached[dev] = cc;
   return cc;
+}
+
+bool tag_has_bf16(Arch tag) {
+  switch (tag) {
+    case Arch::kSm70: return arch::Sm70::kHasBf16;
+    case Arch::kSm75: return arch::Sm75::kHasBf16;
+    case Arch::kSm80: return arch::Sm80::kHasBf16;
+    case Arch::kSm90: return arch::Sm90::kHasBf16;
+    default: return false;
+  }
 }
 
 SmemLimits device_smem_limits() {

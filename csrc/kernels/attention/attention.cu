@@ -30,10 +30,10 @@ int grid_x_for(const AttentionParams& p, int block_m) {
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (p.num_splits < 1 || p.num_splits > kMaxAttentionSplits || p.tokens_per_split < 1)
-    return Status::kInvalidArgument;
+  if (check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk) return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  if (p.dtype == DType::kBFloat16 && !tag_has_bf16(tag)) return Status::kUnsupportedDType;
   // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows).
   if (p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0) return Status::kOk;
   if (p.num_splits > 1 && p.workspace == nullptr) return Status::kInvalidArgument;
@@ -46,10 +46,7 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
     return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
                                        : launch_attention_wgmma<__half>(p, rows, grid_x, stream);
   }
-  if (p.dtype == DType::kBFloat16) {
-    if (tag != Arch::kSm80) return Status::kUnsupportedDType;
-    return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, config, grid_x, stream);
-  }
+  if (p.dtype == DType::kBFloat16) return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, config, grid_x, stream);
   switch (tag) {
     case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, config, grid_x, stream);
     case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, config, grid_x, stream);
@@ -116,6 +113,11 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens, tiles};
 }
 
+Status check_attention_splits(int num_splits, int tokens_per_split, int64_t max_kv_len) {
+  if (num_splits < 1 || num_splits > kMaxAttentionSplits || tokens_per_split < 1) return Status::kInvalidArgument;
+  return int64_t(num_splits) * tokens_per_split < max_kv_len ? Status::kInvalidArgument : Status::kOk;
+}
+
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits) {
   if (num_splits <= 1) return 0;
   return size_t(num_splits) * size_t(total_q_tokens) * num_heads * (kLatentDim + 1) * sizeof(float);
@@ -123,8 +125,8 @@ size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_s
 
 Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
                             int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
-  if (int64_t(params.num_splits) * params.tokens_per_split < int64_t(max_blocks) * cache.block_size)
-    return Status::kInvalidArgument;
+  const Status s = check_attention_splits(params.num_splits, params.tokens_per_split, int64_t(max_blocks) * cache.block_size);
+  if (s != Status::kOk) return s;
   const PagedTableRows rows{cache, block_table, block_table_stride, max_blocks};
   return dispatch(params, rows, arch, stream);
 }

@@ -12,6 +12,10 @@ namespace attention_detail {
 template <class A, class T, class Rows>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream);
 
+// The split-KV combine after a launch with num_splits > 1 (combine.cu, one instantiation per dtype).
+template <class T>
+Status launch_combine(const AttentionParams& p, cudaStream_t stream);
+
 // Hopper: 64-row CTAs on wgmma (attention_sm90.cuh), whose shared memory per CTA is this.
 int wgmma_smem_bytes();
 template <class T, class Rows>

@@ -1,5 +1,4 @@
 // Turing: mma.m16n8k8, fp16 attention variant.
-#include "attention.cuh"
-#include "attention_launch.h"
+#include "mma_sync.cuh"
 
 MLA_KV_INSTANTIATE_ATTENTION(mla_kv::arch::Sm75, __half)

@@ -1,4 +1,4 @@
-// Hopper variant of the absorbed MLA attention (attention.cuh has the math and the CTA/work split):
+// Hopper variant of the absorbed MLA attention (common.cuh has the CTA/work split and softmax pieces):
 // both products run on wgmma, and a CTA of 64 query rows holds its 64 x 512 fp32 output in two
 // warpgroups' registers, warpgroup g owning columns 256 g .. 256 g + 255 (O_g).
 //
@@ -24,13 +24,13 @@
 // Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
 #pragma once
 
-#include <cstdlib>
 #include <type_traits>
-
 #include <cuda.h>
 
 #include "../arch/wgmma.cuh"
-#include "attention.cuh"
+#include "attention_launch.h"
+#include "common.cuh"
+#include "tensor_map.h"
 
 namespace mla_kv {
 namespace attention_detail {
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
       row_sum[hh] *= alpha;
       return alpha;
     };
-    // Online softmax of the tile starting at kv position j (attention.cuh's raised_max): probs = P,
+    // Online softmax of the tile starting at kv position j (common.cuh's raised_max): probs = P,
     // row sums updated, alpha = the factor O must be rescaled by.
     auto softmax = [&](int j, float (&alpha)[2]) {
       float tile_max[2] = {-INFINITY, -INFINITY};
@@ -530,60 +530,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
 
 namespace sm90 {
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's tensor-map encoder, found through the runtime (no link against libcuda); null when
-// the driver has none (the launch then takes the cp.async path).
-inline EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return EncodeTiled(nullptr);
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// MLA_KV_SM90_CP_ASYNC=1 keeps the cp.async copies on every cache, for side-by-side measurement
-// (read once per process).
-inline bool tma_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MLA_KV_SM90_CP_ASYNC");
-    return v == nullptr || v[0] != '1';
-  }();
-  return allowed;
-}
-
-// A tensor map whose 128-byte swizzled boxes are the kernel's tile chunks, when every tile of the
-// launch is whole boxes: splits on 64-token boundaries, blocks of 16, 32 or a multiple of 64 rows,
-// 16-byte aligned base and strides.
-template <class T>
-bool make_tile_map(const AttentionParams& p, const PagedTableRows& rows, CUtensorMap& map) {
-  const PagedCache& c = rows.cache;
-  if (!tma_allowed() || p.tokens_per_split % kTokens != 0) return false;
-  if (!(c.block_size == 16 || c.block_size == 32 || c.block_size % kTokens == 0)) return false;
-  if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.row.row_stride_bytes % 16 != 0 ||
-      c.block_stride_bytes % 16 != 0 || c.num_blocks >= (int64_t(1) << 31))
-    return false;
-  const EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {cuuint64_t(kRowDim), cuuint64_t(c.block_size), cuuint64_t(c.num_blocks)};
-  const cuuint64_t strides[2] = {cuuint64_t(c.row.row_stride_bytes), cuuint64_t(c.block_stride_bytes)};
-  const cuuint32_t box[3] = {64, cuuint32_t(std::min(kTokens, c.block_size)), 1};
-  const cuuint32_t unit[3] = {1, 1, 1};
-  const CUtensorMapDataType type =
-      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(&map, type, 3, c.base, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
+static_assert(kTokens == kTmaBoxTokens, "a TMA box is one tile's rows");
 
 template <class T, class Rows, bool kTma>
 Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map, int grid_x, cudaStream_t stream) {
@@ -601,7 +548,7 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
   CUtensorMap map{};
   Status st;
   if constexpr (std::is_same_v<Rows, PagedTableRows>) {
-    st = sm90::make_tile_map<T>(p, rows, map) ? sm90::launch<T, Rows, true>(p, rows, map, grid_x, stream)
+    st = sm90::make_tile_map(p, rows, map) ? sm90::launch<T, Rows, true>(p, rows, map, grid_x, stream)
                                                : sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
   } else {
     st = sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);

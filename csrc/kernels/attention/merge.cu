@@ -3,7 +3,7 @@
 #include <cuda_fp16.h>
 
 #include "../arch/arch.cuh"
-#include "mla_kv/attention.h"
+#include "mla_kv/merge.h"
 
 namespace mla_kv {
 namespace {

@@ -17,7 +17,7 @@
 // past L1 (data used once); stores use the default policy so that the next GEMM can find out in L2.
 // The element type only sets the byte offsets of the two row parts: T is a same-size unsigned
 // integer, so fp16 and bf16 share one instantiation and no arithmetic is done.
-// Reference: python/mla_kv/reference_attention.py (gather_kv, gather_kv_blocks).
+// Reference: python/mla_kv/reference/gather.py (gather_kv, gather_kv_blocks).
 #pragma once
 
 #include <climits>

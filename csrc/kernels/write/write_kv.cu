@@ -31,6 +31,7 @@ Status dispatch(const WriteKvParams& p, const Rows& rows, int64_t access, Arch a
   const bool vec16 = access == 16;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  if (p.dtype == DType::kBFloat16 && !tag_has_bf16(tag)) return Status::kUnsupportedDType;
   // The write path has no Turing-specific code: Sm75 runs the Volta variant.
   if (tag == Arch::kSm70 || tag == Arch::kSm75) {
     switch (p.dtype) {

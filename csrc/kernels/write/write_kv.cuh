@@ -2,7 +2,7 @@
 // rope part on the first lanes); the RMSNorm sum is a warp reduction, so no shared memory and no
 // block barrier: a row costs one read and one write of its bytes. q's rope parts are rotated by
 // the same warp after the row, several heads per warp instruction.
-// Reference: python/mla_kv/reference.py (write_kv, fused_write_kv).
+// Reference: python/mla_kv/reference/write.py (write_kv, fused_write_kv).
 #pragma once
 
 #include "../address.cuh"

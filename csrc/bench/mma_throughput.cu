@@ -3,10 +3,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "../arch/arch.cuh"
-#include "../arch/mma.cuh"
-#include "../arch/wgmma.cuh"
-#include "mla_kv/bench.h"
+#include "../kernels/arch/arch.cuh"
+#include "../kernels/arch/mma.cuh"
+#include "../kernels/arch/wgmma.cuh"
+#include "mma_throughput.h"
 
 namespace mla_kv {
 namespace {
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(256, 1) wgmma_throughput_kernel(int iterations
 
 double invokeMmaThroughput(Arch arch, DType dtype, int blocks, int iterations, cudaStream_t stream) {
   const Arch tag = resolve_arch(arch, device_compute_capability());
-  if (tag == Arch::kAuto || (dtype == DType::kBFloat16 && int(tag) < 80) || dtype == DType::kFloat32)
+  if (tag == Arch::kAuto || (dtype == DType::kBFloat16 && !tag_has_bf16(tag)) || dtype == DType::kFloat32)
     return -1.0;
   if (tag == Arch::kSm90) {
     if (dtype == DType::kBFloat16)

@@ -1,5 +1,6 @@
 // Ceilings for the benchmarks: the tensor-core throughput the attention kernels' instructions can
-// reach on this GPU, measured with the same tile they use (mma.sync, or wgmma on Sm90).
+// reach on this GPU, measured with the same tile they use (mma.sync, or wgmma on Sm90). Part of the
+// Python module (mla_kv._C.mma_throughput), not of the kernels library engines link.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,0 +1,108 @@
+// What every attention kernel shares (the mma.sync kernel of mma_sync.cuh and the Hopper kernel of
+// attention_sm90.cuh): which sequence, rows and kv range a CTA owns, the kv limit of a row under the
+// causal mask, the online-softmax pieces, and the query-row addressing.
+// Reference: python/mla_kv/reference (decode, prefill).
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "../arch/arch.cuh"
+#include "../address.cuh"
+#include "mla_kv/attention.h"
+
+namespace mla_kv {
+namespace attention_detail {
+
+constexpr int kVecsPerRow = kRowDim / 8;    // 16-byte vectors of a 16-bit row
+constexpr int kVecsPerLane = (kVecsPerRow + 31) / 32;           // 3 (the last pass is partial)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kRescaleLog2 = 8.f;  // see raised_max
+
+// Which sequence, query rows and kv range a CTA owns.
+struct Work {
+  int b;
+  int row0;     // first (token, head) row of the sequence handled by this CTA
+  int q_len;    // query tokens of the sequence
+  int64_t token_base;  // flat token index of the sequence's first query token
+  int kv_len;
+  int kv_lo, kv_hi;    // this CTA's kv positions
+};
+
+template <int kBlockM>
+__device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
+  const int bx = blockIdx.x;
+  if (p.cu_q_lens == nullptr) {
+    const int per_seq = (p.q_len * p.num_heads + kBlockM - 1) / kBlockM;
+    w.b = bx / per_seq;
+    if (w.b >= p.batch) return false;
+    w.row0 = (bx - w.b * per_seq) * kBlockM;
+    w.q_len = p.q_len;
+    w.token_base = int64_t(w.b) * p.q_len;
+  } else {
+    // Packed sequences: CTAs are handed out in sequence order, ceil(q_len_b * H / kBlockM) each,
+    // last rows first: under a causal mask they see the most keys, and starting the longest CTAs
+    // first keeps them out of the tail of the grid.
+    int first = 0, b = 0, n = 0;
+    for (; b < p.batch; ++b) {
+      n = ((p.cu_q_lens[b + 1] - p.cu_q_lens[b]) * p.num_heads + kBlockM - 1) / kBlockM;
+      if (bx < first + n) break;
+      first += n;
+    }
+    if (b == p.batch) return false;
+    w.b = b;
+    w.row0 = (n - 1 - (bx - first)) * kBlockM;
+    w.q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
+    w.token_base = p.cu_q_lens[b];
+  }
+  w.kv_len = p.kv_lens[w.b];
+  const int last_row = min(w.row0 + kBlockM, w.q_len * p.num_heads) - 1;
+  const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;
+  w.kv_lo = blockIdx.y * p.tokens_per_split;
+  w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);
+  return true;
+}
+
+// The kv positions query row r of the CTA sees: [kv_lo, limit) (causal: up to its own token), -1 for
+// rows past the sequence's last row.
+__device__ __forceinline__ int kv_limit(const AttentionParams& p, const Work& w, int r, int rows_here) {
+  int limit = -1;
+  if (r < rows_here) {
+    const int s = (w.row0 + r) / p.num_heads;
+    limit = min(w.kv_hi, p.causal ? w.kv_len - w.q_len + s + 1 : w.kv_len);
+  }
+  return limit;
+}
+
+// Online softmax in the log2 domain: the running max moves only when a tile beats it by more than
+// kRescaleLog2, so P stays below 2^kRescaleLog2 (exact in fp32 sums and in 16-bit P) and most tiles
+// skip rescaling O. rescale_factor: what O and the row sum are multiplied by when it moves
+// (kFlushDenormals: by arch::exp2_ftz, as the caller's probabilities are).
+__device__ __forceinline__ float raised_max(float running, float tile_max) {
+  return tile_max > running + kRescaleLog2 ? tile_max : running;
+}
+template <bool kFlushDenormals = false>
+__device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
+  if (new_max == old_max) return 1.f;
+  return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);
+}
+
+// The CTA's query row r (nullptr past the sequence's last row, rows_here).
+template <class T>
+__device__ __forceinline__ const T* q_row(const AttentionParams& p, const Work& w, int r, int rows_here) {
+  if (r >= rows_here) return nullptr;
+  const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
+  return static_cast<const T*>(p.q) + int64_t(w.b) * p.q_stride_b * (p.cu_q_lens == nullptr) +
+         (w.token_base * (p.cu_q_lens != nullptr) + s) * p.q_stride_t + int64_t(h) * p.q_stride_h;
+}
+
+// 16-byte vector c of the CTA's query row r (zeros past the sequence's last row).
+template <class T>
+__device__ __forceinline__ int4 q_vector(const AttentionParams& p, const Work& w, int r, int c, int rows_here) {
+  const T* src = q_row<T>(p, w, r, rows_here);
+  return src ? *reinterpret_cast<const int4*>(src + c * 8) : make_int4(0, 0, 0, 0);
+}
+
+}  // namespace attention_detail
+}  // namespace mla_kv
