@@ -1,74 +1,7 @@
-"""Decode launches for a profiler.
-
-  python bench/profile_decode.py B CTX H [dtype]    three launches, for ncu (--launch-skip 2)
-  python bench/profile_decode.py --times            per-kernel GPU times (attention, combine) of
-                                                    the decode cases RESULTS.md quotes, via torch.profiler
-"""
-import itertools
-import math
-import os
+"""python bench/profile_decode.py B CTX H [dtype] | --times: mla_kv.bench.profile_decode, as mla-kv bench."""
 import sys
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-
-import mla_kv  # noqa: E402
-
-TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (64, 4096, 128), (1, 32768, 20), (8, 32768, 20),
-               (1, 512, 20), (8, 4096, 20)]
-
-
-def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
-    """A decode call over random data (page 64, shuffled blocks) with its schedule and workspace.
-    Successive calls read different caches (as bench_decode's replays do), so that no call finds
-    its cache in L2."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks = ctx // 64
-    sets = common.variants_for(batch * ctx * 576 * dtype.itemsize, cap=8)
-    caches = [torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
-    table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, ctx, dtype, gen)
-    rotation = itertools.cycle(caches)
-    call = lambda: mla_kv.decode(q, next(rotation), table, lens, 1 / math.sqrt(192),  # noqa: E731
-                                 out=out, lse=lse, workspace=workspace, schedule=schedule)
-    return call, schedule
-
-
-def kernel_times(batch, ctx, heads, calls=20):
-    call, schedule = make_decode(batch, ctx, heads)
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            name = "combine" if "combine" in e.name else "attention" if "attention" in e.name else e.name[:40]
-            times.setdefault(name, []).append(e.device_time)
-    print(f"B={batch} ctx={ctx} H={heads} splits={schedule.num_splits}: "
-          + ", ".join(f"{k} {sum(v) / len(v):.1f} us" for k, v in times.items()))
-
-
-def main(argv):
-    if argv[:1] == ["--times"]:
-        for case in TIMED_CASES:
-            kernel_times(*case)
-        return 0
-    batch, ctx, heads = (int(a) for a in argv[:3])
-    dtype = getattr(torch, argv[3]) if len(argv) > 3 else torch.bfloat16
-    call, _ = make_decode(batch, ctx, heads, dtype)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    return 0
-
+from mla_kv.bench.profile_decode import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,5 +1,6 @@
-"""Shared helpers of the kernel tests: variants to run, caches whose unwritten rows are NaN, attention
-launches into fresh poisoned buffers, and the per-row comparison with the float64 reference.
+"""Shared helpers of the kernel tests: the attention variants to run, caches whose unwritten rows
+are NaN, attention launches into fresh poisoned buffers, and the per-row comparison with the float64
+reference.
 
 Every attention launch made through run_decode / run_prefill gets its own out and lse filled with
 NaN and its own workspace filled with 0xFF bytes (NaN as float32), so a row or split partial the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import mla_kv
@@ -30,11 +32,10 @@ LSE_REL_TOL = 1e-5
 ROW_NORM_FLOOR = 1e-2
 
 
-def archs_for(dtype):
-    """The GPU's best variant (None) and every older one that runs here: on Hopper None takes the
-    wgmma kernel, so sm80 keeps the mma.sync kernel covered."""
-    older = ["sm80"] if torch.cuda.get_device_capability()[0] >= 9 else []
-    return [None] + older + ([] if dtype == torch.bfloat16 else ["sm75", "sm70"])
+# The attention kernels' variants for the `arch` fixture (tests/conftest.py): the GPU's best and
+# every older one that runs here; on Hopper best takes the wgmma kernel, so sm80 keeps the mma.sync
+# kernel covered (the fixture skips sm80 below sm90), and bf16 skips sm75 / sm70.
+ATTENTION_ARCHS = pytest.mark.arch_variants("best", "sm80", "sm75", "sm70", bf16_needs_sm80=True)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

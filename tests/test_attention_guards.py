@@ -1,13 +1,13 @@
 """decode / prefill without validation on lengths and block ids the cache does not cover.
 
-What the kernels do (attention.cuh kv_limit / find_work, address.cuh block_base, the Sm90 TMA
+What the kernels do (common.cuh kv_limit / find_work, address.cuh block_base, the Sm90 TMA
 copy): a query row reads positions < min(its causal limit, num_splits x tokens_per_split); a
 position whose block the table does not give (past its width or the sequence's block list, block
 id < 0 or >= num_blocks) reads as a zero row, which scores 0 and still counts in the softmax
 (mla_kv/attention.h: "rows past the table read as zeros"); positions at or past the schedule's
 coverage are not read. Negative lengths see nothing. reference_reading_zeros computes that in float64.
 
-The GPU tests run every variant with the default schedule and three forced ones (the table's
+The GPU tests run once per variant (the `arch` fixture) with the default schedule and three forced ones (the table's
 width exactly, 3 and 40 splits past the longest sequence), and check every row (check_attention),
 that the NaN canaries around the targets are not read (a read shows as NaN in out), that out/lse
 are written only inside their windows of larger buffers and that the cache bytes stay the same.
@@ -20,8 +20,10 @@ import torch
 from mla_kv import reference
 from mla_kv.layout import LATENT_DIM, ROW_DIM, BlockPool, to_rope_first
 
-from gpu_checks import (archs_for, check_attention, default_schedule, poison_unwritten, run_decode, run_prefill,
-                        same_bytes, split_schedule)
+from gpu_checks import (ATTENTION_ARCHS, check_attention, default_schedule, poison_unwritten, run_decode,
+                        run_prefill, same_bytes, split_schedule)
+
+pytestmark = ATTENTION_ARCHS  # the variants of the tests taking `arch` (the GPU ones)
 
 SCALE = 0.0625
 BLOCK_SIZE, WIDTH = 32, 4  # a 4-entry block table covers positions < 128
@@ -138,25 +140,24 @@ def outside_windows(buffers):
 @pytest.mark.parametrize("addressing", ["paged", "blocks"])
 @pytest.mark.parametrize("s_q", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_past_the_block_table(dtype, s_q, addressing):
+def test_decode_past_the_block_table(dtype, s_q, addressing, arch):
     heads = 20
     storage, kv_cache, block_table, view, view_table = guard_cache(addressing, dtype)
     storage_before = storage.clone()
     seq_lens = torch.tensor(KV_LENS, dtype=torch.int32, device="cuda")
     q = torch.randn(len(SEQUENCES), s_q, heads, ROW_DIM, device="cuda").to(dtype)
     expected = {}
-    for arch in archs_for(dtype):
-        for schedule in guard_schedules(q, kv_cache, block_table, arch, len(SEQUENCES) * s_q, heads):
-            coverage = schedule.num_splits * schedule.tokens_per_split
-            if coverage not in expected:
-                expected[coverage] = reference_reading_zeros(q, view, view_table, seq_lens, coverage)
-            out, lse, buffers = windowed_outputs(q.shape[:3], dtype)
-            canaries = outside_windows(buffers)
-            run_decode(q, kv_cache, block_table, seq_lens, SCALE, arch=arch, schedule=schedule, out=out, lse=lse)
-            what = f"{addressing} S_q={s_q} arch={arch} splits={schedule.num_splits}x{schedule.tokens_per_split}"
-            check_attention(out, lse, *expected[coverage], what)
-            assert all(same_bytes(a, b) for a, b in zip(outside_windows(buffers), canaries)), \
-                f"{what}: out/lse written outside their rows"
+    for schedule in guard_schedules(q, kv_cache, block_table, arch, len(SEQUENCES) * s_q, heads):
+        coverage = schedule.num_splits * schedule.tokens_per_split
+        if coverage not in expected:
+            expected[coverage] = reference_reading_zeros(q, view, view_table, seq_lens, coverage)
+        out, lse, buffers = windowed_outputs(q.shape[:3], dtype)
+        canaries = outside_windows(buffers)
+        run_decode(q, kv_cache, block_table, seq_lens, SCALE, arch=arch, schedule=schedule, out=out, lse=lse)
+        what = f"{addressing} S_q={s_q} splits={schedule.num_splits}x{schedule.tokens_per_split}"
+        check_attention(out, lse, *expected[coverage], what)
+        assert all(same_bytes(a, b) for a, b in zip(outside_windows(buffers), canaries)), \
+            f"{what}: out/lse written outside their rows"
     assert same_bytes(storage, storage_before), "the cache changed"
 
 
@@ -164,7 +165,7 @@ def test_decode_past_the_block_table(dtype, s_q, addressing):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("addressing", ["paged", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_past_the_block_table(dtype, addressing, causal):
+def test_prefill_past_the_block_table(dtype, addressing, causal, arch):
     """Also 3 padding rows past cu_q_lens[B], which stay untouched."""
     heads, pad = 8, 3
     storage, kv_cache, block_table, view, view_table = guard_cache(addressing, dtype)
@@ -174,22 +175,21 @@ def test_prefill_past_the_block_table(dtype, addressing, causal):
     tokens = sum(Q_LENS)
     q = torch.randn(tokens + pad, heads, ROW_DIM, device="cuda").to(dtype)
     expected = {}
-    for arch in archs_for(dtype):
-        for schedule in guard_schedules(q, kv_cache, block_table, arch, tokens + pad, heads,
-                                        packed_batch=len(SEQUENCES)):
-            coverage = schedule.num_splits * schedule.tokens_per_split
-            if coverage not in expected:
-                expected[coverage] = reference_reading_zeros(q[:tokens], view, view_table, kv_lens, coverage,
-                                                             cu_q_lens=cu, causal=causal)
-            out, lse, buffers = windowed_outputs(q.shape[:2], dtype)
-            canaries = outside_windows(buffers)
-            run_prefill(q, kv_cache, block_table, cu, kv_lens, SCALE, causal=causal, arch=arch, schedule=schedule,
-                        out=out, lse=lse)
-            what = f"{addressing} causal={causal} arch={arch} splits={schedule.num_splits}x{schedule.tokens_per_split}"
-            check_attention(out[:tokens], lse[:tokens], *expected[coverage], what, cu_q_lens=cu)
-            assert out[tokens:].isnan().all() and lse[tokens:].isnan().all(), f"{what}: padding rows written"
-            assert all(same_bytes(a, b) for a, b in zip(outside_windows(buffers), canaries)), \
-                f"{what}: out/lse written outside their rows"
+    for schedule in guard_schedules(q, kv_cache, block_table, arch, tokens + pad, heads,
+                                    packed_batch=len(SEQUENCES)):
+        coverage = schedule.num_splits * schedule.tokens_per_split
+        if coverage not in expected:
+            expected[coverage] = reference_reading_zeros(q[:tokens], view, view_table, kv_lens, coverage,
+                                                         cu_q_lens=cu, causal=causal)
+        out, lse, buffers = windowed_outputs(q.shape[:2], dtype)
+        canaries = outside_windows(buffers)
+        run_prefill(q, kv_cache, block_table, cu, kv_lens, SCALE, causal=causal, arch=arch, schedule=schedule,
+                    out=out, lse=lse)
+        what = f"{addressing} causal={causal} splits={schedule.num_splits}x{schedule.tokens_per_split}"
+        check_attention(out[:tokens], lse[:tokens], *expected[coverage], what, cu_q_lens=cu)
+        assert out[tokens:].isnan().all() and lse[tokens:].isnan().all(), f"{what}: padding rows written"
+        assert all(same_bytes(a, b) for a, b in zip(outside_windows(buffers), canaries)), \
+            f"{what}: out/lse written outside their rows"
     assert same_bytes(storage, storage_before), "the cache changed"
 
 

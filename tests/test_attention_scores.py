@@ -4,7 +4,7 @@ Random caches give scores within a few nats of each other, where an online softm
 its running max still looks right. Here the scores are built: a sweep of one key jumping J log2
 units above everything before it, logits growing along the sequence (the running max moves in most
 tiles), attention sinks on a flat background, queries scaled x1 .. x8. Each runs on every kernel
-variant and dtype, both cache addressings, the default schedule and forced splits (of 256 keys: 3-4
+variant (the `arch` fixture) and dtype, both cache addressings, the default schedule and forced splits (of 256 keys: 3-4
 splits, the few-split combine, TMA loads on Hopper's paged path; of 48 keys: 16-22 splits, the
 many-split combine, splits ending inside tiles, cp.async loads), every row compared by
 check_attention.
@@ -18,8 +18,10 @@ import torch
 from mla_kv import reference
 from mla_kv.layout import ROW_DIM
 
-from gpu_checks import (archs_for, block_pointer_copy, cache_with_rows, check_attention, run_decode,
+from gpu_checks import (ATTENTION_ARCHS, block_pointer_copy, cache_with_rows, check_attention, run_decode,
                         run_prefill, split_schedule)
+
+pytestmark = ATTENTION_ARCHS  # the variants of the tests taking `arch` (the GPU ones)
 
 SCALE = 1.0 / math.sqrt(192 + 64)  # DeepSeek/GLM: nope 192 + rope 64
 ALONG = 8.0          # q's component along its sequence's score direction u
@@ -27,7 +29,7 @@ QUERY_DIMS = 64      # q's other directions (orthogonal to u and to the rows' ra
 QUERY_SPREAD = 16.0  # norm of q's part in those directions
 ROW_SPREAD = 0.5     # per-element std of a row's random part (its own latent value)
 BLOCK_SIZE = 64
-RESCALE_LOG2 = 8.0   # attention.cuh kRescaleLog2: the running max moves when a tile beats it by more
+RESCALE_LOG2 = 8.0   # common.cuh kRescaleLog2: the running max moves when a tile beats it by more
 
 
 def scored_batch(targets, q_lens, multipliers, heads, dtype, device):
@@ -142,7 +144,7 @@ def prefill_q_lens(lens):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("s_q", [1, 3, 8, None], ids=["decode1", "decode3", "decode8", "prefill"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_score_patterns(pattern, s_q, dtype):
+def test_score_patterns(pattern, s_q, dtype, arch):
     make_targets, multipliers = PATTERNS[pattern]
     targets = make_targets("cuda")
     lens = [t.shape[0] for t in targets]
@@ -160,18 +162,17 @@ def test_score_patterns(pattern, s_q, dtype):
         cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
         ref_out, ref_lse = reference.prefill(q.double(), cache.double(), table, cu, seq_lens, SCALE)
     positions = table.shape[1] * BLOCK_SIZE
-    for arch in archs_for(dtype):
-        for tokens_per_split in (None, 256, 48):
-            schedule = None if tokens_per_split is None else split_schedule(
-                -(-positions // tokens_per_split), tokens_per_split, sum(q_lens), heads)
-            for kv_cache, block_table, addressing in ((cache, table, "paged"), (blocks, None, "block pointers")):
-                what = f"{pattern} S_q={s_q or 'prefill'} arch={arch} split={tokens_per_split} {addressing}"
-                if s_q:
-                    out, lse = run_decode(q, kv_cache, block_table, seq_lens, SCALE, arch=arch, schedule=schedule)
-                else:
-                    out, lse = run_prefill(q, kv_cache, block_table, cu, seq_lens, SCALE, arch=arch,
-                                           schedule=schedule)
-                check_attention(out, lse, ref_out, ref_lse, what, cu_q_lens=cu)
+    for tokens_per_split in (None, 256, 48):
+        schedule = None if tokens_per_split is None else split_schedule(
+            -(-positions // tokens_per_split), tokens_per_split, sum(q_lens), heads)
+        for kv_cache, block_table, addressing in ((cache, table, "paged"), (blocks, None, "block pointers")):
+            what = f"{pattern} S_q={s_q or 'prefill'} split={tokens_per_split} {addressing}"
+            if s_q:
+                out, lse = run_decode(q, kv_cache, block_table, seq_lens, SCALE, arch=arch, schedule=schedule)
+            else:
+                out, lse = run_prefill(q, kv_cache, block_table, cu, seq_lens, SCALE, arch=arch,
+                                       schedule=schedule)
+            check_attention(out, lse, ref_out, ref_lse, what, cu_q_lens=cu)
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -196,7 +197,7 @@ def test_patterns_score_what_they_claim(pattern, dtype):
 
 
 def test_growing_logits_move_the_running_max_in_most_tiles():
-    """The kernels' rule (attention.cuh raised_max) applied to the generated scores, tile by tile."""
+    """The kernels' rule (common.cuh raised_max) applied to the generated scores, tile by tile."""
     for (slope, _), target in zip(GROWING_SLOPES, growing_logits("cpu")):
         running, moves = -math.inf, 0
         tile_maxes = target[:target.shape[0] // BLOCK_SIZE * BLOCK_SIZE].view(-1, BLOCK_SIZE).max(-1).values

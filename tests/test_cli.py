@@ -4,8 +4,10 @@ The subprocess imports the same mla_kv the tests import (installed or from the s
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +73,24 @@ def test_plan_plot(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plan_plot_without_extension_says_the_file_it_wrote(tmp_path):
+    # matplotlib adds .png to a name without an extension; the message must name that file
+    pytest.importorskip("matplotlib")
+    r = run_cli(*SEED_EXAMPLE, "--plot", str(tmp_path / "context"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "context").exists()
+    assert r.stdout.strip().splitlines()[-1] == f"plot written to {tmp_path / 'context.png'}"
+
+
+def test_plan_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(SEED_EXAMPLE + ["--plot", "context.png"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == ["mla-kv plan: --plot needs matplotlib: pip install mla_kv[plot]"]
+
+
 @pytest.mark.parametrize("name", ["missing-dir/context.png", "context.unknown-format"])
 def test_plot_to_a_bad_path_exit_2(tmp_path, capsys, name):
     pytest.importorskip("matplotlib")
@@ -90,11 +110,37 @@ def test_info():
         assert "none found" in r.stdout
 
 
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"mla_kv {mla_kv.__version__}\n" and r.stderr == ""
+
+
+def test_help_lists_and_describes_every_command():
+    parser = cli._build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands = list(action.choices)
+    assert {"plan", "demo", "info", "bench"} <= set(commands)
+    helps = {c.dest: c.help for c in action._choices_actions}  # a command without help is not listed
+    assert set(helps) == set(commands) and all(helps.values())
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    listed = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("    ") and line.split()}
+    assert set(commands) <= listed, r.stdout
+    description = parser.description
+    assert all(re.search(rf"\b{name}\b", description) for name in commands), description
+    assert "--version" in r.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_bench_without_gpu_exits_1(tmp_path):
-    r = run_cli("bench", "--quick", cwd=tmp_path)
+@pytest.mark.parametrize("args", [["bench", "--quick"], ["bench", "decode", "--quick"],
+                                  ["bench", "write", "--quick", "--json", "out.json"]], ids=" ".join)
+def test_bench_without_gpu_exits_1_with_one_line(tmp_path, args):
+    r = run_cli(*args, cwd=tmp_path)  # any directory: the benchmarks are in the package
     assert r.returncode == 1
-    assert "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ("no CUDA GPU" in r.stderr or "needs a CUDA GPU" in r.stderr) and "Traceback" not in r.stderr
+    assert r.stderr.startswith("mla-kv bench") and not (tmp_path / "out.json").exists()
 
 
 @pytest.mark.parametrize("args", [

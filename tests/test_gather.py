@@ -1,9 +1,9 @@
 """gather_kv (paged and block-pointer forms) against mla_kv.reference and an independent indexing.
 
 GPU tests poison ``out`` (and the memory around it) first, then check every gathered row bit for bit
-and every other byte for being unchanged; each runs the device's best variant and the Volta one
-(a copy, so bf16 runs on the Sm70 variant too). CPU tests cover validation (errors before anything is
-written) and the CPU dispatch to the reference.
+and every other byte for being unchanged; each runs once per variant (the `arch` fixture): the
+device's best and the Volta one (a copy, so bf16 runs on the Sm70 variant too). CPU tests cover
+validation (errors before anything is written) and the CPU dispatch to the reference.
 """
 import pytest
 import torch
@@ -16,7 +16,9 @@ from gpu_checks import capture_graph, random_table, same_bytes
 
 GPU = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-ARCHS = [None, "sm75", "sm70"]  # sm75 runs the Volta variant: both tags must dispatch
+# Kernel variants of the tests taking `arch` (tests/conftest.py): the device's best and the Volta one,
+# through both tags that run it (sm75 too: both must dispatch); a copy, so bf16 runs on every one.
+pytestmark = pytest.mark.arch_variants("best", "sm75", "sm70", bf16_needs_sm80=False)
 
 
 def poison(shape, dtype, device, gen):
@@ -79,7 +81,7 @@ def out_window(rows, dtype, gen, want, covered):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 24, 32, 64, 128])  # 24: the division path of odd sizes
 @pytest.mark.parametrize("with_starts", [False, True])
-def test_gather_paged_matches_reference(dtype, block_size, with_starts):
+def test_gather_paged_matches_reference(dtype, block_size, with_starts, arch):
     gen = torch.Generator().manual_seed(block_size * 2 + with_starts)
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 2]
     cu, starts, needs = batch_for(lens, block_size, gen, with_starts)
@@ -91,22 +93,21 @@ def test_gather_paged_matches_reference(dtype, block_size, with_starts):
     total = int(cu[-1])
     want = reference.gather_kv(cache, table, cu, starts=starts)
     assert torch.equal(want.cpu(), expected_paged(cache, table, cu, starts)[0]), "reference vs indexing"
-    for arch in ARCHS:
-        out = poison((total + 9, 576), dtype, "cuda", gen)
-        before = out.clone()
-        got = mla_kv.gather_kv(cache, table, cu, starts=starts if with_starts else None, out=out, arch=arch,
-                               validate=True)
-        assert got is out
-        assert torch.equal(out[:total], want), f"arch={arch}: gathered rows differ"
-        assert torch.equal(out[total:], before[total:]), f"arch={arch}: rows past total_kv written"
-        fresh = mla_kv.gather_kv(cache, table, cu, starts=starts if with_starts else None, arch=arch)
-        assert fresh.shape == (total, 576) and torch.equal(fresh, want), f"arch={arch}: allocated out"
+    out = poison((total + 9, 576), dtype, "cuda", gen)
+    before = out.clone()
+    got = mla_kv.gather_kv(cache, table, cu, starts=starts if with_starts else None, out=out, arch=arch,
+                           validate=True)
+    assert got is out
+    assert torch.equal(out[:total], want), "gathered rows differ"
+    assert torch.equal(out[total:], before[total:]), "rows past total_kv written"
+    fresh = mla_kv.gather_kv(cache, table, cu, starts=starts if with_starts else None, arch=arch)
+    assert fresh.shape == (total, 576) and torch.equal(fresh, want), "allocated out"
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("width,offset", [(704, 64), (700, 2)])  # 16-byte path, two-element path
-def test_gather_strided_out_and_layer_of_a_pool(dtype, width, offset):
+def test_gather_strided_out_and_layer_of_a_pool(dtype, width, offset, arch):
     gen = torch.Generator().manual_seed(width + offset)
     lens, block_size = [5, 200, 64, 1], 64
     cu, starts, needs = batch_for(lens, block_size, gen, True)
@@ -117,22 +118,21 @@ def test_gather_strided_out_and_layer_of_a_pool(dtype, width, offset):
     cu, starts = cu.cuda(), starts.cuda()
     total = int(cu[-1])
     want = reference.gather_kv(cache, table, cu, starts=starts)
-    for arch in ARCHS:
-        wide = poison((total + 3, width), dtype, "cuda", gen)
-        before = wide.clone()
-        out = wide[:, offset:offset + 576]
-        mla_kv.gather_kv(cache, table, cu, starts=starts, out=out, arch=arch)
-        assert torch.equal(out[:total], want), f"arch={arch}: gathered rows differ"
-        expect = before.clone()
-        expect[:total, offset:offset + 576] = want
-        assert torch.equal(wide, expect), f"arch={arch}: bytes outside the gathered rows changed"
+    wide = poison((total + 3, width), dtype, "cuda", gen)
+    before = wide.clone()
+    out = wide[:, offset:offset + 576]
+    mla_kv.gather_kv(cache, table, cu, starts=starts, out=out, arch=arch)
+    assert torch.equal(out[:total], want), "gathered rows differ"
+    expect = before.clone()
+    expect[:total, offset:offset + 576] = want
+    assert torch.equal(wide, expect), "bytes outside the gathered rows changed"
 
 
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope_first", [True, False])
 @pytest.mark.parametrize("block_seq_len", [16, 48, 64, 128])
-def test_gather_block_pointers(dtype, rope_first, block_seq_len):
+def test_gather_block_pointers(dtype, rope_first, block_seq_len, arch):
     gen = torch.Generator().manual_seed(block_seq_len + rope_first)
     lens = [1, 0, block_seq_len, block_seq_len + 1, 2 * block_seq_len - 1, 300]
     cu, starts, needs = batch_for(lens, block_seq_len, gen, True)
@@ -146,18 +146,17 @@ def test_gather_block_pointers(dtype, rope_first, block_seq_len):
     want = reference.gather_kv_blocks(pool, 1, ids, cu_blocks, cu, starts=starts)
     assert torch.equal(want.cpu(), expected_blocks(pool, 1, ids, cu_blocks, cu, starts)[0])
     before = pool.storage.clone()
-    for arch in ARCHS:
-        out = poison((total + 4, 576), dtype, "cuda", gen)
-        out_before = out.clone()
-        mla_kv.gather_kv(cache, None, cu.cuda(), starts=starts.cuda(), out=out, arch=arch, validate=True)
-        assert torch.equal(out[:total], want.cuda()), f"arch={arch}: gathered rows differ"
-        assert torch.equal(out[total:], out_before[total:]), f"arch={arch}: rows past total_kv written"
+    out = poison((total + 4, 576), dtype, "cuda", gen)
+    out_before = out.clone()
+    mla_kv.gather_kv(cache, None, cu.cuda(), starts=starts.cuda(), out=out, arch=arch, validate=True)
+    assert torch.equal(out[:total], want.cuda()), "gathered rows differ"
+    assert torch.equal(out[total:], out_before[total:]), "rows past total_kv written"
     assert torch.equal(pool.storage, before), "the cache changed"
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gather_large_batch_and_short_out(dtype):
+def test_gather_large_batch_and_short_out(dtype, arch):
     gen = torch.Generator().manual_seed(17)
     lens = torch.randint(0, 4000, (37,), generator=gen).tolist()
     lens[5], lens[6] = 0, 1
@@ -169,26 +168,25 @@ def test_gather_large_batch_and_short_out(dtype):
     total = int(cu[-1])
     want, covered = expected_paged(cache, table, cu, starts)
     assert bool(covered.all())
-    for arch in ARCHS:
-        # a poisoned out of its own: an allocated one may get the memory of the last variant's result
-        got = mla_kv.gather_kv(cache, table, cu, starts=starts, out=poison((total, 576), dtype, "cuda", gen), arch=arch)
-        assert torch.equal(got.cpu(), want), f"arch={arch}: {total} rows differ"
-        # Without validate an out shorter than total_kv receives its first rows and nothing past its
-        # end (the front of a larger buffer whose tail must keep its bytes); validate refuses it.
-        buffer = poison((total, 576), dtype, "cuda", gen)
-        tail = buffer[total - 100:].clone()
-        short = buffer[:total - 100]
-        mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch)
-        assert torch.equal(short.cpu(), want[:total - 100]), f"arch={arch}: short out"
-        assert torch.equal(buffer[total - 100:].view(torch.int16), tail.view(torch.int16)), \
-            f"arch={arch}: rows past a short out were written"
-        with pytest.raises(ValueError, match="out"):
-            mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch, validate=True)
+    # a poisoned out of its own: an allocated one may get the memory of another variant's result (same gen)
+    got = mla_kv.gather_kv(cache, table, cu, starts=starts, out=poison((total, 576), dtype, "cuda", gen), arch=arch)
+    assert torch.equal(got.cpu(), want), f"{total} rows differ"
+    # Without validate an out shorter than total_kv receives its first rows and nothing past its
+    # end (the front of a larger buffer whose tail must keep its bytes); validate refuses it.
+    buffer = poison((total, 576), dtype, "cuda", gen)
+    tail = buffer[total - 100:].clone()
+    short = buffer[:total - 100]
+    mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch)
+    assert torch.equal(short.cpu(), want[:total - 100]), "short out"
+    assert torch.equal(buffer[total - 100:].view(torch.int16), tail.view(torch.int16)), \
+        "rows past a short out were written"
+    with pytest.raises(ValueError, match="out"):
+        mla_kv.gather_kv(cache, table, cu, starts=starts, out=short, arch=arch, validate=True)
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # bf16 shares the fp16 instantiation
-def test_gather_skips_rows_the_cache_does_not_cover(dtype):
+def test_gather_skips_rows_the_cache_does_not_cover(dtype, arch):
     """Without validation, rows whose position has no block (past the table; ids -1, num_blocks,
     2^31 - 1) or is negative leave their out rows untouched. out is a window of a larger buffer, the
     cache one of a larger tensor (canary blocks on both sides): nothing outside the covered rows'
@@ -209,23 +207,22 @@ def test_gather_skips_rows_the_cache_does_not_cover(dtype):
     want, covered = expected_paged(cache, table, cu, starts)
     assert int((~covered).sum()) == 8 + 32 + 6 + 1 + 4
     total, storage_before = int(cu[-1]), storage.clone()
-    for arch in ARCHS:
-        wide, out, expect = out_window(total, dtype, gen, want, covered)
-        mla_kv.gather_kv(cache, table, cu, starts=starts, out=out, arch=arch)
-        assert torch.equal(out.cpu()[covered], want[covered]), f"arch={arch}: covered rows differ"
-        assert same_bytes(wide, expect), f"arch={arch}: uncovered rows or bytes around out written"
-        for bad_starts, bad_table, name in ((starts.clamp(min=0), table, "block_table"),
-                                            (starts, table[:, :1].contiguous(), "starts")):
-            with pytest.raises(ValueError, match=name):
-                mla_kv.gather_kv(cache, bad_table, cu, starts=bad_starts, out=out, arch=arch, validate=True)
-        torch.cuda.synchronize()
-        assert same_bytes(wide, expect), f"arch={arch}: a call that failed validation wrote"
+    wide, out, expect = out_window(total, dtype, gen, want, covered)
+    mla_kv.gather_kv(cache, table, cu, starts=starts, out=out, arch=arch)
+    assert torch.equal(out.cpu()[covered], want[covered]), "covered rows differ"
+    assert same_bytes(wide, expect), "uncovered rows or bytes around out written"
+    for bad_starts, bad_table, name in ((starts.clamp(min=0), table, "block_table"),
+                                        (starts, table[:, :1].contiguous(), "starts")):
+        with pytest.raises(ValueError, match=name):
+            mla_kv.gather_kv(cache, bad_table, cu, starts=bad_starts, out=out, arch=arch, validate=True)
+    torch.cuda.synchronize()
+    assert same_bytes(wide, expect), "a call that failed validation wrote"
     assert same_bytes(storage, storage_before), "the cache changed"
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gather_block_pointers_skip_rows_past_the_blocks(dtype):
+def test_gather_block_pointers_skip_rows_past_the_blocks(dtype, arch):
     """Sequence 1 owns one block fewer than its rows need, sequence 2 none, sequence 3 starts at -4:
     those rows of out stay untouched, as do the bytes around out and the pool (other layers, blocks
     nobody owns). validate=True raises."""
@@ -246,17 +243,16 @@ def test_gather_block_pointers_skip_rows_past_the_blocks(dtype):
     assert int((~covered).sum()) == (70 - 2 * block_size) + 33 + 4
     cu, starts = cu.cuda(), starts.cuda()
     total, pool_before = int(cu[-1]), pool.storage.clone()
-    for arch in ARCHS:
-        wide, out, expect = out_window(total, dtype, gen, want, covered)
-        mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch)
-        assert torch.equal(out.cpu()[covered], want[covered]), f"arch={arch}: covered rows differ"
-        assert same_bytes(wide, expect), f"arch={arch}: uncovered rows or bytes around out written"
-        with pytest.raises(ValueError, match="starts"):
-            mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch, validate=True)
-        with pytest.raises(ValueError, match="cache.cu_block_nums"):
-            mla_kv.gather_kv(cache, None, cu, starts=starts.clamp(min=0), out=out, arch=arch, validate=True)
-        torch.cuda.synchronize()
-        assert same_bytes(wide, expect), f"arch={arch}: a call that failed validation wrote"
+    wide, out, expect = out_window(total, dtype, gen, want, covered)
+    mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch)
+    assert torch.equal(out.cpu()[covered], want[covered]), "covered rows differ"
+    assert same_bytes(wide, expect), "uncovered rows or bytes around out written"
+    with pytest.raises(ValueError, match="starts"):
+        mla_kv.gather_kv(cache, None, cu, starts=starts, out=out, arch=arch, validate=True)
+    with pytest.raises(ValueError, match="cache.cu_block_nums"):
+        mla_kv.gather_kv(cache, None, cu, starts=starts.clamp(min=0), out=out, arch=arch, validate=True)
+    torch.cuda.synchronize()
+    assert same_bytes(wide, expect), "a call that failed validation wrote"
     assert same_bytes(pool.storage, pool_before), "the pool changed"
 
 

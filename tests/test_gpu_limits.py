@@ -12,6 +12,8 @@ import torch
 
 import mla_kv
 from mla_kv import gpus, reference
+from mla_kv.ops._common import _paged_cache
+from mla_kv.ops.attention import _attention_params
 
 from gpu_checks import (block_pointer_copy, check_attention, default_schedule, nan_outputs, random_cache,
                         run_decode, run_prefill)
@@ -155,11 +157,11 @@ def test_a_variant_that_cannot_fit_raises_before_launch():
     # The core refuses the launch too (Status kSharedMemoryExceeded), and writes nothing.
     schedule = default_schedule(q, cache, table, arch="sm70")
     out, lse = nan_outputs(q, q.shape[:3])
-    params = mla_kv.ops._attention_params(q, out, lse, packed=False, batch=1, q_len=1, kv_lens=seq_lens,
-                                          cu_q_lens=None, causal=True, scale=0.1, schedule=schedule)
+    params = _attention_params(q, out, lse, packed=False, batch=1, q_len=1, kv_lens=seq_lens,
+                               cu_q_lens=None, causal=True, scale=0.1, schedule=schedule)
     params.smem_limits = gpus.c_limits(CLASSES["T4 / RTX 20"].smem)
     with pytest.raises(RuntimeError, match="shared memory"):
-        _C.attention_paged(params, mla_kv.ops._paged_cache(cache), table.data_ptr(), table.stride(0),
+        _C.attention_paged(params, _paged_cache(cache), table.data_ptr(), table.stride(0),
                            table.shape[1], _C.Arch.sm70, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()) and bool(lse.isnan().all())

@@ -24,8 +24,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (  # noqa: E402
     Glm4MoeLiteAttention, Glm4MoeLiteRMSNorm, Glm4MoeLiteRotaryEmbedding)
 
-from mla_kv.reference import fused_write_kv  # noqa: E402
-from mla_kv.reference_attention import decode, prefill  # noqa: E402
+from mla_kv.reference import decode, fused_write_kv, prefill  # noqa: E402
 from mla_kv.rope import cos_sin_cache, mla_softmax_scale  # noqa: E402
 from mla_kv.weights import absorb_q, project_out, split_kv_b_proj  # noqa: E402
 

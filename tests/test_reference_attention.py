@@ -1,4 +1,4 @@
-"""The reference attention ops (mla_kv.reference_attention) against independent float64 loops.
+"""The reference attention and gather ops (mla_kv.reference) against independent float64 loops.
 
 The naive versions below walk every sequence, head and query, find each visible kv position's row
 through the block table one position at a time, and do the softmax by hand (max, exp, sum). Caches
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mla_kv.layout import BlockPool
-from mla_kv.reference_attention import (decode, decode_blocks, gather_kv, gather_kv_blocks,
-                                        merge_states, prefill, prefill_blocks)
+from mla_kv.reference import (decode, decode_blocks, gather_kv, gather_kv_blocks, merge_states, prefill,
+                              prefill_blocks)
 
 ROW, LAT = 576, 512
 

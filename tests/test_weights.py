@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from mla_kv.reference import ROW_DIM
-from mla_kv.reference_attention import decode
+from mla_kv.reference import ROW_DIM, decode
 from mla_kv.weights import (absorb_q, dequantize_awq, fold_o_proj, fold_q_b_proj, load_kv_b_proj,
                             project_out, split_kv_b_proj)
 

@@ -19,12 +19,9 @@ GPU = pytest.mark.gpu
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float32: 2e-6}
 
 
-def arch_cases(dtype):
-    """Kernel variants to run: the device's best and, where the dtype allows, the Volta one."""
-    cases = [None]
-    if dtype != torch.bfloat16:
-        cases.append("sm70")
-    return cases
+# Kernel variants of the tests taking `arch` (tests/conftest.py): the device's best and, where the
+# dtype allows, the Volta one (sm75 runs it too; sm90 runs the sm80 kernel, best on Ampere and newer).
+pytestmark = pytest.mark.arch_variants("best", "sm70", bf16_needs_sm80=True)
 
 
 def poison_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -79,18 +76,17 @@ def fused_reference_layer(layer_before, rope_first, kv_a, weight, eps, positions
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000])
-def test_write_kv_paged_exact(dtype, block_size, num_tokens):
+def test_write_kv_paged_exact(dtype, block_size, num_tokens, arch):
     gen = torch.Generator().manual_seed(num_tokens * 131 + block_size)
     num_blocks = (num_tokens * 2) // block_size + 3
-    for arch in arch_cases(dtype):
-        cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
-        want = cache.clone()
-        kv_c = torch.randn(num_tokens + 3, 700, generator=gen).to("cuda", dtype)[:, 100:612]
-        k_pe = torch.randn(num_tokens + 3, 64, generator=gen).to("cuda", dtype)
-        slots = shuffled_slots(num_tokens, block_size, num_blocks, gen, pad_every=5).cuda()
-        mla_kv.write_kv(kv_c, k_pe, cache, slots, arch=arch)
-        reference.write_kv(kv_c, k_pe, want, slots)
-        assert torch.equal(cache, want), f"arch={arch}: plain write must be bit-exact"
+    cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
+    want = cache.clone()
+    kv_c = torch.randn(num_tokens + 3, 700, generator=gen).to("cuda", dtype)[:, 100:612]
+    k_pe = torch.randn(num_tokens + 3, 64, generator=gen).to("cuda", dtype)
+    slots = shuffled_slots(num_tokens, block_size, num_blocks, gen, pad_every=5).cuda()
+    mla_kv.write_kv(kv_c, k_pe, cache, slots, arch=arch)
+    reference.write_kv(kv_c, k_pe, want, slots)
+    assert torch.equal(cache, want), "plain write must be bit-exact"
 
 
 @GPU
@@ -98,47 +94,45 @@ def test_write_kv_paged_exact(dtype, block_size, num_tokens):
 @pytest.mark.parametrize("rope_style", ["interleaved", "neox"])
 @pytest.mark.parametrize("num_tokens,block_size", [(1, 64), (63, 16), (129, 32), (4097, 128), (70000, 64)])
 @pytest.mark.parametrize("cos_fp32", [True, False])
-def test_fused_write_kv_paged(dtype, rope_style, num_tokens, block_size, cos_fp32):
+def test_fused_write_kv_paged(dtype, rope_style, num_tokens, block_size, cos_fp32, arch):
     gen = torch.Generator().manual_seed(num_tokens + block_size + (7 if cos_fp32 else 0))
     num_blocks = (num_tokens * 3) // (2 * block_size) + 2
     cs = cos_sin_cache(64, 4096, 1e4, dtype=torch.float32 if cos_fp32 else dtype, device="cuda")
-    for arch in arch_cases(dtype):
-        kv_a, q, positions, weight = make_inputs(num_tokens, dtype, "cuda", gen, row_stride=768,
-                                                 q_token_stride_extra=8)
-        cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
-        slots = shuffled_slots(num_tokens, block_size, num_blocks, gen, pad_every=7).cuda()
-        want_cache, want_q = cache.clone(), q.clone()
-        q_untouched = q[..., :-64].clone()
-        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, rope_style=rope_style,
-                              q=q, arch=arch)
-        # The float64 reference of the same inputs, then rounded like the kernel's single rounding.
-        ref64 = want_cache.double()
-        q64 = want_q.double()
-        reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64,
-                                 slots, rope_style=rope_style, q=q64)
-        written = slot_mask(slots, *cache.shape[:2])
-        assert torch.equal(cache[~written], want_cache[~written]), f"arch={arch}: untouched rows changed"
-        assert_close_rows(cache[written][:, :512], ref64[written][:, :512], dtype, f"arch={arch} c_kv")
-        assert_close_rows(cache[written][:, 512:], ref64[written][:, 512:], dtype, f"arch={arch} k_pe")
-        assert_close_rows(q[..., -64:], q64[..., -64:], dtype, f"arch={arch} q_pe")
-        assert torch.equal(q[..., :-64], q_untouched), f"arch={arch}: q_nope changed"
+    kv_a, q, positions, weight = make_inputs(num_tokens, dtype, "cuda", gen, row_stride=768,
+                                             q_token_stride_extra=8)
+    cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
+    slots = shuffled_slots(num_tokens, block_size, num_blocks, gen, pad_every=7).cuda()
+    want_cache, want_q = cache.clone(), q.clone()
+    q_untouched = q[..., :-64].clone()
+    mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, rope_style=rope_style,
+                          q=q, arch=arch)
+    # The float64 reference of the same inputs, then rounded like the kernel's single rounding.
+    ref64 = want_cache.double()
+    q64 = want_q.double()
+    reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64,
+                             slots, rope_style=rope_style, q=q64)
+    written = slot_mask(slots, *cache.shape[:2])
+    assert torch.equal(cache[~written], want_cache[~written]), "untouched rows changed"
+    assert_close_rows(cache[written][:, :512], ref64[written][:, :512], dtype, "c_kv")
+    assert_close_rows(cache[written][:, 512:], ref64[written][:, 512:], dtype, "k_pe")
+    assert_close_rows(q[..., -64:], q64[..., -64:], dtype, "q_pe")
+    assert torch.equal(q[..., :-64], q_untouched), "q_nope changed"
 
 
 @GPU
-def test_nan_row_poisons_only_its_slot():
+def test_nan_row_poisons_only_its_slot(arch):
     gen = torch.Generator().manual_seed(3)
     dtype = torch.float16
     cs = cos_sin_cache(64, 4096, 1e4, device="cuda")
     kv_a, q, positions, weight = make_inputs(64, dtype, "cuda", gen)
     kv_a[10, 5] = float("nan")
-    for arch in arch_cases(dtype):
-        cache = poison_like(torch.empty(8, 16, 576, dtype=dtype, device="cuda"), gen)
-        slots = shuffled_slots(64, 16, 8, gen).cuda()
-        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, arch=arch)
-        flat = cache.view(-1, 576)
-        nan_rows = torch.isnan(flat).any(-1).nonzero().flatten().tolist()
-        assert nan_rows == [int(slots[10])], f"arch={arch}: NaN rows {nan_rows}"
-        assert torch.isnan(flat[int(slots[10]), :512]).all()
+    cache = poison_like(torch.empty(8, 16, 576, dtype=dtype, device="cuda"), gen)
+    slots = shuffled_slots(64, 16, 8, gen).cuda()
+    mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, arch=arch)
+    flat = cache.view(-1, 576)
+    nan_rows = torch.isnan(flat).any(-1).nonzero().flatten().tolist()
+    assert nan_rows == [int(slots[10])], f"NaN rows {nan_rows}"
+    assert torch.isnan(flat[int(slots[10]), :512]).all()
 
 
 def write_rows(fused, kv_a, weight, positions, cos_sin, cache, *, slots=None, cu_q=None, hist=None, q=None,
@@ -168,7 +162,7 @@ OUT_OF_RANGE_TOKENS = [(5, 10), (-1, 11), (17, -1), (-7, 12), (95, MAX_POSITION 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True])
-def test_paged_writes_skip_slots_and_positions_out_of_range(dtype, fused):
+def test_paged_writes_skip_slots_and_positions_out_of_range(dtype, fused, arch):
     """Without validation a token writes its row only for a slot in [0, capacity) and (fused) a rope
     position in [0, max_position); a bad position leaves its q alone too, a padded slot does not.
     The cache lies between canary blocks: every byte but the written rows' keeps its value.
@@ -182,32 +176,31 @@ def test_paged_writes_skip_slots_and_positions_out_of_range(dtype, fused):
     assert int(written.sum()) == (3 if fused else 6)
     cs = cos_sin_cache(64, MAX_POSITION, 1e4, device="cuda")
     kv_a, q, _, weight = make_inputs(len(OUT_OF_RANGE_TOKENS), dtype, "cuda", gen, row_stride=640)
-    for arch in arch_cases(dtype):
-        storage = poison_like(torch.empty(8, 16, 576, dtype=dtype, device="cuda"), gen)
-        cache = storage[1:-1]
-        before, q_arch = storage.clone(), q.clone()
-        write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch)
-        expect = before.clone()
-        target_rows = cache.reshape(-1, 576)[slots[written]]
-        if fused:
-            ref64, q64 = before[1:-1].double(), q.double()
-            reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64, slots,
-                                     q=q64)
-            assert_close_rows(target_rows, ref64.view(-1, 576)[slots[written]], dtype, f"arch={arch} rows")
-            assert_close_rows(q_arch[in_table], q64[in_table], dtype, f"arch={arch} q")
-            assert same_bytes(q_arch[~in_table], q[~in_table]), f"arch={arch}: q of a skipped token changed"
-            expect[1:-1].view(-1, 576)[slots[written]] = target_rows
-        else:
-            expect[1:-1].view(-1, 576)[slots[written]] = kv_a[written]
-        assert same_bytes(storage, expect), f"arch={arch}: bytes outside the written rows changed"
-        with pytest.raises(ValueError, match="slot_mapping"):
-            write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch, validate=True)
-        if fused:  # slots in range: the positions are checked next
-            with pytest.raises(ValueError, match="positions"):
-                write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots.where(in_cache, -1), q=q_arch,
-                           arch=arch, validate=True)
-        torch.cuda.synchronize()
-        assert same_bytes(storage, expect), f"arch={arch}: a call that failed validation wrote"
+    storage = poison_like(torch.empty(8, 16, 576, dtype=dtype, device="cuda"), gen)
+    cache = storage[1:-1]
+    before, q_arch = storage.clone(), q.clone()
+    write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch)
+    expect = before.clone()
+    target_rows = cache.reshape(-1, 576)[slots[written]]
+    if fused:
+        ref64, q64 = before[1:-1].double(), q.double()
+        reference.fused_write_kv(kv_a.double(), weight.double(), 1e-6, positions, cs.double(), ref64, slots,
+                                 q=q64)
+        assert_close_rows(target_rows, ref64.view(-1, 576)[slots[written]], dtype, "rows")
+        assert_close_rows(q_arch[in_table], q64[in_table], dtype, "q")
+        assert same_bytes(q_arch[~in_table], q[~in_table]), "q of a skipped token changed"
+        expect[1:-1].view(-1, 576)[slots[written]] = target_rows
+    else:
+        expect[1:-1].view(-1, 576)[slots[written]] = kv_a[written]
+    assert same_bytes(storage, expect), "bytes outside the written rows changed"
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, q=q_arch, arch=arch, validate=True)
+    if fused:  # slots in range: the positions are checked next
+        with pytest.raises(ValueError, match="positions"):
+            write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots.where(in_cache, -1), q=q_arch,
+                       arch=arch, validate=True)
+    torch.cuda.synchronize()
+    assert same_bytes(storage, expect), "a call that failed validation wrote"
 
 
 def make_block_batch(q_lens, hist, block_seq_len, num_blocks, gen, spare_blocks=0):
@@ -223,38 +216,37 @@ def make_block_batch(q_lens, hist, block_seq_len, num_blocks, gen, spare_blocks=
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rope_first", [True, False])
 @pytest.mark.parametrize("block_seq_len", [64, 128])
-def test_fused_write_kv_blocks(dtype, rope_first, block_seq_len):
+def test_fused_write_kv_blocks(dtype, rope_first, block_seq_len, arch):
     gen = torch.Generator().manual_seed(block_seq_len + rope_first)
     q_lens, hist = [1, 0, 300, 64, 5], [0, 17, 63, 1000, 127]
     ids, cu_blocks, cu_q, hist_t = make_block_batch(q_lens, hist, block_seq_len, 64, gen)
     total = int(cu_q[-1])
     cs = cos_sin_cache(64, 4096, 1e6, device="cuda")
-    for arch in arch_cases(dtype):
-        pool = BlockPool(64, 3, block_seq_len, dtype, "cuda", rope_first=rope_first)
-        pool.storage.copy_(poison_like(pool.storage, gen))
-        before = pool.storage.clone()
-        kv_a, q, positions, weight = make_inputs(total + 4, dtype, "cuda", gen, row_stride=640)
-        cache = pool.cache(1, ids, cu_blocks)
-        q_before = q.clone()
-        mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-5, positions, cs, cache, cu_q.cuda(),
-                                     hist_t.cuda(), q=q, arch=arch, validate=True)
-        slots = block_slots(cu_q, hist_t, cu_blocks, ids, block_seq_len).cuda()
-        layer_before = before[:, 1]
-        ref_layer = fused_reference_layer(layer_before, rope_first, kv_a, weight, 1e-5, positions, cs, slots)
-        written = slot_mask(slots, 64, block_seq_len)
-        got = pool.storage[:, 1]
-        for layer in (0, 2):
-            assert torch.equal(pool.storage[:, layer], before[:, layer]), f"arch={arch}: layer {layer} touched"
-        assert torch.equal(got[~written], layer_before[~written]), f"arch={arch}: untouched rows changed"
-        assert_close_rows(got[written], ref_layer[written], dtype, f"arch={arch} block rows")
-        q_ref = reference.apply_rope(q_before[:total, :, -64:].double(), positions[:total], cs.double())
-        assert_close_rows(q[:total, :, -64:], q_ref, dtype, f"arch={arch} q_pe")
+    pool = BlockPool(64, 3, block_seq_len, dtype, "cuda", rope_first=rope_first)
+    pool.storage.copy_(poison_like(pool.storage, gen))
+    before = pool.storage.clone()
+    kv_a, q, positions, weight = make_inputs(total + 4, dtype, "cuda", gen, row_stride=640)
+    cache = pool.cache(1, ids, cu_blocks)
+    q_before = q.clone()
+    mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-5, positions, cs, cache, cu_q.cuda(),
+                                 hist_t.cuda(), q=q, arch=arch, validate=True)
+    slots = block_slots(cu_q, hist_t, cu_blocks, ids, block_seq_len).cuda()
+    layer_before = before[:, 1]
+    ref_layer = fused_reference_layer(layer_before, rope_first, kv_a, weight, 1e-5, positions, cs, slots)
+    written = slot_mask(slots, 64, block_seq_len)
+    got = pool.storage[:, 1]
+    for layer in (0, 2):
+        assert torch.equal(pool.storage[:, layer], before[:, layer]), f"layer {layer} touched"
+    assert torch.equal(got[~written], layer_before[~written]), "untouched rows changed"
+    assert_close_rows(got[written], ref_layer[written], dtype, "block rows")
+    q_ref = reference.apply_rope(q_before[:total, :, -64:].double(), positions[:total], cs.double())
+    assert_close_rows(q[:total, :, -64:], q_ref, dtype, "q_pe")
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True])
-def test_block_pointer_writes_skip_positions_past_the_blocks(dtype, fused):
+def test_block_pointer_writes_skip_positions_past_the_blocks(dtype, fused, arch):
     """Tokens whose position (history + i) lies past their sequence's blocks, the tokens of a sequence
     without blocks, input rows past cu_q_lens[B] and (fused) a rope position outside the table write
     nothing; the other layers, the blocks nobody owns and the unwritten rows keep their bytes.
@@ -276,36 +268,35 @@ def test_block_pointer_writes_skip_positions_past_the_blocks(dtype, fused):
     written = (slots >= 0) & (positions[:total] < MAX_POSITION) if fused else slots >= 0
     assert int(written.sum()) == 4 + 40 + 1 - fused
     blk, off = slots[written] // block_seq_len, slots[written] % block_seq_len
-    for arch in arch_cases(dtype):
-        pool = BlockPool(num_blocks, 3, block_seq_len, dtype, "cuda")
-        pool.storage.copy_(poison_like(pool.storage, gen))
-        before, q_arch = pool.storage.clone(), q.clone()
-        cache = pool.cache(1, ids, cu_blocks)
-        write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch)
-        expect = before.clone()
-        got_rows = pool.storage[:, 1][blk, off]
-        if fused:
-            q64 = q.double()
-            ref = fused_reference_layer(before[:, 1], True, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
-            assert_close_rows(got_rows, ref[blk, off], dtype, f"arch={arch} block rows")
-            rotated = positions < MAX_POSITION
-            assert_close_rows(q_arch[:total][rotated[:total]], q64[:total][rotated[:total]], dtype, f"arch={arch} q")
-            assert same_bytes(q_arch[20], q[20]), f"arch={arch}: q of the token outside the rope table changed"
-            expect[:, 1][blk, off] = got_rows
-        else:
-            expect[:, 1][blk, off] = to_rope_first(kv_a[:total][written])
-        assert same_bytes(pool.storage, expect), f"arch={arch}: bytes outside the written rows changed"
-        with pytest.raises(ValueError, match="cache.cu_block_nums"):
-            write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch,
-                       validate=True)
-        torch.cuda.synchronize()
-        assert same_bytes(pool.storage, expect), f"arch={arch}: a call that failed validation wrote"
+    pool = BlockPool(num_blocks, 3, block_seq_len, dtype, "cuda")
+    pool.storage.copy_(poison_like(pool.storage, gen))
+    before, q_arch = pool.storage.clone(), q.clone()
+    cache = pool.cache(1, ids, cu_blocks)
+    write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch)
+    expect = before.clone()
+    got_rows = pool.storage[:, 1][blk, off]
+    if fused:
+        q64 = q.double()
+        ref = fused_reference_layer(before[:, 1], True, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
+        assert_close_rows(got_rows, ref[blk, off], dtype, "block rows")
+        rotated = positions < MAX_POSITION
+        assert_close_rows(q_arch[:total][rotated[:total]], q64[:total][rotated[:total]], dtype, "q")
+        assert same_bytes(q_arch[20], q[20]), "q of the token outside the rope table changed"
+        expect[:, 1][blk, off] = got_rows
+    else:
+        expect[:, 1][blk, off] = to_rope_first(kv_a[:total][written])
+    assert same_bytes(pool.storage, expect), "bytes outside the written rows changed"
+    with pytest.raises(ValueError, match="cache.cu_block_nums"):
+        write_rows(fused, kv_a, weight, positions, cs, cache, cu_q=cu_q, hist=hist_t, q=q_arch, arch=arch,
+                   validate=True)
+    torch.cuda.synchronize()
+    assert same_bytes(pool.storage, expect), "a call that failed validation wrote"
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("addressing", ["paged", "blocks"])
-def test_writes_of_zero_huge_and_subnormal_rows_at_the_last_rope_position(dtype, addressing, ulp_distance):
+def test_writes_of_zero_huge_and_subnormal_rows_at_the_last_rope_position(dtype, addressing, arch, ulp_distance):
     """Rows (and q_pe) of zeros, of magnitude ~1e4 and of subnormals, and one 1e4 latent with a
     subnormal rope part, all at rope position max_position - 1: write_kv stores them bit for bit;
     fused_write_kv's results (no NaN, no overflow, subnormals not flushed) are within 1 ulp of the
@@ -345,29 +336,28 @@ def test_writes_of_zero_huge_and_subnormal_rows_at_the_last_rope_position(dtype,
             distance = ulp_distance(got, want64.to(dtype))
             assert int(distance.max()) <= 1, f"{what}: {int(distance.max())} ulp from the reference"
 
-    for arch in arch_cases(dtype):
-        for fused in (False, True):
-            if addressing == "paged":
-                layer = cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
-            else:
-                pool = BlockPool(num_blocks, 1, block_size, dtype, "cuda")
-                pool.storage.copy_(poison_like(pool.storage, gen))
-                layer, cache = pool.storage[:, 0], pool.cache(0, ids, cu_blocks)
-            before, q_arch = layer.clone(), q.clone()
-            write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, cu_q=cu_q, hist=hist, q=q_arch,
-                       arch=arch)
-            stored, what = layer[blk, off], f"arch={arch} fused={fused}"
-            if fused:
-                q64 = q.double()
-                ref = fused_reference_layer(before, rope_first, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
-                assert_rounded_like(stored, ref[blk, off], f"{what} rows")
-                assert_rounded_like(q_arch.flatten(0, 1), q64.flatten(0, 1), f"{what} q")
-                assert (stored[0] == 0).all() and (q_arch[0, :, 128:] == 0).all(), f"{what}: zeros not kept"
-            else:
-                assert same_bytes(stored, to_rope_first(kv_a) if rope_first else kv_a), \
-                    f"{what}: rows not stored bit for bit"
-            written = slot_mask(slots, num_blocks, block_size)
-            assert same_bytes(layer[~written], before[~written]), f"{what}: other rows changed"
+    for fused in (False, True):
+        if addressing == "paged":
+            layer = cache = poison_like(torch.empty(num_blocks, block_size, 576, dtype=dtype, device="cuda"), gen)
+        else:
+            pool = BlockPool(num_blocks, 1, block_size, dtype, "cuda")
+            pool.storage.copy_(poison_like(pool.storage, gen))
+            layer, cache = pool.storage[:, 0], pool.cache(0, ids, cu_blocks)
+        before, q_arch = layer.clone(), q.clone()
+        write_rows(fused, kv_a, weight, positions, cs, cache, slots=slots, cu_q=cu_q, hist=hist, q=q_arch,
+                   arch=arch)
+        stored, what = layer[blk, off], f"fused={fused}"
+        if fused:
+            q64 = q.double()
+            ref = fused_reference_layer(before, rope_first, kv_a, weight, 1e-6, positions, cs, slots, q=q64)
+            assert_rounded_like(stored, ref[blk, off], f"{what} rows")
+            assert_rounded_like(q_arch.flatten(0, 1), q64.flatten(0, 1), f"{what} q")
+            assert (stored[0] == 0).all() and (q_arch[0, :, 128:] == 0).all(), f"{what}: zeros not kept"
+        else:
+            assert same_bytes(stored, to_rope_first(kv_a) if rope_first else kv_a), \
+                f"{what}: rows not stored bit for bit"
+        written = slot_mask(slots, num_blocks, block_size)
+        assert same_bytes(layer[~written], before[~written]), f"{what}: other rows changed"
 
 
 @GPU

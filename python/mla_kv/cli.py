@@ -3,22 +3,21 @@
     mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--json] [--plot FILE.png]
     mla-kv demo [--model PRESET|PATH] [--device cpu|cuda] [--layers N] [--prompt-len P] [--decode-steps N]
     mla-kv info
-    mla-kv bench [--quick]
+    mla-kv bench [--quick] [--json PATH] [--plot PATH]      (or: mla-kv bench OP [OP's options])
+    mla-kv --version
 
-Bad arguments print one line to stderr and exit with code 2 (no traceback).
+Bad arguments print one line to stderr and exit with code 2 (no traceback). The demo is
+mla_kv.demo, the benchmarks mla_kv.bench (which parses its own options).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Optional
 
-from . import __version__, demo, planner
+from . import _plot, __version__, demo, planner
 from .planner import GB, GiB
 
 
@@ -76,7 +75,12 @@ _seed = _integer(-2 ** 63, 2 ** 64 - 2)
 
 
 def _build_parser() -> _Parser:
-    parser = _Parser(prog="mla-kv", description="MLA latent KV cache: planner, build info, benchmarks.")
+    parser = _Parser(prog="mla-kv", description="MLA latent KV cache: plan (the context that fits), demo (the "
+                                                "ops against HF transformers), info (build and GPUs), bench "
+                                                "(the kernel benchmarks).",
+                     epilog="mla-kv COMMAND --help lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"mla_kv {__version__}",
+                        help="print the package version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser(
@@ -146,9 +150,12 @@ def _build_parser() -> _Parser:
     p = commands.add_parser("info", help="version, built CUDA archs and compiler, GPUs and kernel variants")
     p.set_defaults(run=_info, parser=p)
 
-    p = commands.add_parser("bench", help="run the kernel benchmarks bench/bench_*.py (CUDA GPU only)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (passed to each script)")
-    p.set_defaults(run=_bench, parser=p)
+    # main() hands "mla-kv bench ..." to mla_kv.bench before this parser sees it: the benchmarks
+    # parse their own options (mla-kv bench --help, mla-kv bench OP --help).
+    p = commands.add_parser("bench", add_help=False,
+                            help="the kernel benchmarks (CUDA GPU only): mla-kv bench [OP] --quick [--json PATH] "
+                                 "[--plot PATH]; mla-kv bench --help lists the ops")
+    p.set_defaults(run=lambda args: main(["bench"]))
     return parser
 
 
@@ -179,13 +186,10 @@ def _plan_kwargs(args) -> dict:
 
 
 def _plan(args) -> int:
-    if args.plot:
-        try:
-            import matplotlib
-        except ImportError:
-            print("mla-kv plan: --plot needs matplotlib: pip install matplotlib (or mla_kv[plot])",
-                  file=sys.stderr)
-            return 1
+    missing = _plot.matplotlib_missing() if args.plot else None
+    if missing:
+        print(f"mla-kv plan: {missing}", file=sys.stderr)
+        return 1
     try:
         model = planner.load_model(args.model)
         gpu_label, gpu_bytes = _gpu_memory(args)
@@ -196,51 +200,22 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps(dict(result.to_dict(), gpu=gpu_label), indent=2))
     else:
-        print(_plan_table(result, gpu_label))
+        print(planner.format_plan(result, gpu_label))
     if args.plot:
+        import matplotlib
+
         matplotlib.use("Agg")
+        path = _plot.written_path(args.plot)  # "out" is written as out.png
         try:
-            _plot(args.plot, result, args.weights_gb * GB, _plan_kwargs(args))
+            _plot_context(path, result, args.weights_gb * GB, _plan_kwargs(args))
         except (OSError, ValueError) as e:  # an unwritable path or an image format matplotlib lacks
             args.parser.error(f"--plot {args.plot}: {e}")
         if not args.json:
-            print(f"\nplot written to {args.plot}")
+            print(f"\nplot written to {path}")
     return 0
 
 
-def _plan_table(result: planner.MemoryPlan, gpu_label: str) -> str:
-    m = result.model
-    heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
-    layers = next(iter(result.layouts.values())).num_cached_layers
-    lines = [
-        f"model        {m.name}: {m.attention.upper()}, {layers} cached layers, {heads}, "
-        f"max context {m.max_context:,}",
-        f"GPU          {result.gpu_mem_bytes / GiB:.2f} GiB ({gpu_label}), tp {result.tp}, cp {result.cp}",
-        f"memory/GPU   weights {result.weight_bytes_per_gpu / GB:.2f} GB, reserved "
-        f"{result.reserved_bytes / GiB:.2f} GiB, free {result.free_bytes / GiB:.2f} GiB, "
-        f"cache {result.ratio:g} x free = {result.cache_bytes / GiB:.2f} GiB",
-        f"cache        {result.cache_dtype}, block size {result.block_size}",
-        "",
-    ]
-    header = ("layout", "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
-    rows = [header] + [
-        (lp.layout, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
-         f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
-         f"{lp.session_len:,}" + (" (truncated)" if lp.truncated else ""))
-        for lp in result.layouts.values()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
-        lines.append("  ".join(cells))
-    if "latent" in result.layouts:
-        latent, expanded = result.layouts["latent"], result.layouts["expanded"]
-        lines.append("")
-        lines.append(f"the latent layout stores {expanded.bytes_per_token // latent.bytes_per_token}x "
-                     "fewer bytes per token than the expanded per-head layout")
-    return "\n".join(lines)
-
-
-def _plot(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwargs: dict) -> None:
+def _plot_context(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwargs: dict) -> None:
     """Context that fits (per layout) vs GPU memory per GPU, with the model's max context."""
     import matplotlib.pyplot as plt
 
@@ -275,128 +250,9 @@ def _plot(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwarg
 
 # ---- demo -------------------------------------------------------------------------------------
 
-def _demo_device(args) -> tuple:
-    """(torch.device, a one-line note or None): --device, else cuda when a GPU and the kernels are there."""
-    import torch
-
-    from .ops import kernels_available
-
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            args.parser.error("--device cuda: no CUDA GPU found (--device cpu runs the reference ops)")
-        if not kernels_available():
-            args.parser.error("--device cuda: this mla_kv install has no CUDA kernels (--device cpu runs the "
-                              "reference ops)")
-        return torch.device("cuda", torch.cuda.current_device()), None
-    if args.device == "cpu":
-        return torch.device("cpu"), None
-    if torch.cuda.is_available() and kernels_available():
-        return torch.device("cuda", torch.cuda.current_device()), None
-    reason = "no CUDA GPU found" if not torch.cuda.is_available() else "this mla_kv install has no CUDA kernels"
-    return torch.device("cpu"), f"{reason}: running the PyTorch reference ops (mla_kv.reference) on the CPU"
-
-
-def _demo_dtype(args, device) -> str:
-    """The --dtype name, or the device's default; rejects what the CUDA kernels do not run."""
-    import torch
-
-    if device.type == "cpu":
-        return args.dtype or "fp32"
-    cc = torch.cuda.get_device_capability(device)
-    if args.dtype is None:
-        return "bf16" if cc >= (8, 0) else "fp16"
-    if args.dtype == "fp32":
-        args.parser.error("--dtype fp32: the attention kernels run fp16 or bf16 (fp32 runs on --device cpu)")
-    if args.dtype == "bf16" and cc < (8, 0):
-        args.parser.error(f"--dtype bf16: the bf16 kernels need sm80 or newer, this GPU is sm_{cc[0]}{cc[1]}")
-    return args.dtype
-
-
-def _demo_plan(args, spec, dtype_name: str) -> str:
-    """The planner's view of the model: bytes per token of both layouts, and what fits on the GPU."""
-    cache_dtype = dtype_name if dtype_name in ("fp16", "bf16") else "fp16"
-    lines = []
-    if cache_dtype != dtype_name:
-        lines.append(f"(planned for an {cache_dtype} cache, as deployed; this run's cache is {dtype_name})")
-    gpu = _gpu_memory(args) if (args.gpu or args.gpu_mem_gib) else planner.current_gpu()
-    if gpu is None:
-        per_layer = spec.model.bytes_per_token_per_layer(planner.CACHE_DTYPES[cache_dtype].itemsize, 1)
-        layers = spec.model.num_layers
-        latent, expanded = per_layer["latent"], per_layer["expanded"]
-        lines += [f"KV cache     {cache_dtype}, {layers} layers: latent {latent:,} B/token/layer "
-                  f"({latent * layers:,} B/token), expanded per-head {expanded:,} B/token/layer "
-                  f"({expanded * layers:,} B/token): {expanded // latent}x",
-                  "context      no GPU found: pass --gpu PRESET or --gpu-mem-gib N (and --weights-gb) to see "
-                  "the context that fits"]
-        return "\n".join(lines)
-    weights_gb = args.weights_gb
-    if weights_gb is None and spec.checkpoint is not None:
-        weights_gb = sum(os.path.getsize(os.path.join(spec.checkpoint, f)) for f in os.listdir(spec.checkpoint)
-                         if f.endswith(".safetensors")) / GB
-    if weights_gb is None:
-        lines.append("(weights not counted: pass --weights-gb for the model's size)")
-        weights_gb = 0.0
-    result = planner.plan(spec.model, gpu[1], weights_gb * GB, block_size=args.block_size, cache_dtype=cache_dtype)
-    lines.append(_plan_table(result, gpu[0]))
-    return "\n".join(lines)
-
-
 def _demo(args) -> int:
-    try:
-        spec = demo.resolve_model(args.model)
-    except (ValueError, TypeError) as e:
-        args.parser.error(str(e))
-    if args.layers > spec.model.num_layers:
-        args.parser.error(f"--layers {args.layers}: {spec.name} has {spec.model.num_layers} layers")
-    if args.prompt_len + args.decode_steps > spec.model.max_context:
-        args.parser.error(f"--prompt-len + --decode-steps = {args.prompt_len + args.decode_steps} exceeds "
-                          f"{spec.name}'s max context {spec.model.max_context:,}")
-    if args.heads is not None and spec.checkpoint is not None:
-        args.parser.error(f"--heads: {spec.name}'s weights fix the heads; the override is for random weights")
-    if args.block_size > spec.model.max_context:  # its blocks are allocated whole
-        args.parser.error(f"--block-size {args.block_size}: exceeds {spec.name}'s max context "
-                          f"{spec.model.max_context:,}")
-    if args.heads is not None and args.heads > spec.model.num_heads:  # it makes runs faster, never larger
-        args.parser.error(f"--heads {args.heads}: {spec.name} has {spec.model.num_heads} attention heads")
-    device, note = _demo_device(args)
-    dtype_name = _demo_dtype(args, device)
-    try:
-        stack = demo.build_stack(spec, args.layers, demo.DTYPES[dtype_name], device, seed=args.seed,
-                                 num_heads=args.heads)
-    except ImportError as e:  # transformers or safetensors missing: not an argument error
-        print(f"mla-kv demo: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError) as e:
-        args.parser.error(str(e))
-
-    if device.type == "cuda":
-        import torch
-
-        cc = torch.cuda.get_device_capability(device)
-        where = f"{device}, {torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]}): the CUDA kernels"
-    else:
-        where = "cpu: the PyTorch reference ops (mla_kv.reference)"
-    if note:
-        print(note)
-    print(f"mla-kv demo  {spec.name}: prompt {args.prompt_len}, decode steps {args.decode_steps}, {dtype_name} "
-          f"on {where}")
-    print("\n".join(demo.describe(stack, args.block_size)), end="\n\n", flush=True)
-    try:
-        result = demo.run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
-                          time_kernels=device.type == "cuda")
-    except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
-        args.parser.error(str(e))
-    print(demo.format_phases(result), end="\n\n")
-    print(_demo_plan(args, spec, dtype_name))
-    if result.timings_us:
-        print()
-        print(demo.format_timings(result.timings_us))
-    if result.failed:
-        worst = max(p.max_error for p in result.failed)
-        print(f"mla-kv demo: error above tolerance {result.tolerance:g} in "
-              f"{', '.join(p.name for p in result.failed)} (max {worst:.2e})", file=sys.stderr)
-        return 1
-    return 0
+    gpu = _gpu_memory(args) if (args.gpu or args.gpu_mem_gib) else None  # None: the current GPU, if any
+    return demo.main(args, gpu)
 
 
 # ---- info -------------------------------------------------------------------------------------
@@ -448,44 +304,12 @@ def _info(args) -> int:
     return 0
 
 
-# ---- bench ------------------------------------------------------------------------------------
-
-def _bench_scripts() -> list:
-    """bench/bench_*.py under the working directory or the source tree this module runs from."""
-    source_root = Path(__file__).resolve().parents[2]
-    for root in dict.fromkeys((Path.cwd(), source_root)):
-        scripts = sorted((root / "bench").glob("bench_*.py"))
-        if scripts:
-            return scripts
-    return []
-
-
-def _bench(args) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("mla-kv bench: no CUDA GPU found; the benchmarks time the CUDA kernels and need one",
-              file=sys.stderr)
-        return 1
-    scripts = _bench_scripts()
-    if not scripts:
-        print("mla-kv bench: no bench/bench_*.py found; run it from the mla_kv source tree", file=sys.stderr)
-        return 1
-    failed = []
-    for i, script in enumerate(scripts, 1):
-        done = "#" * (20 * (i - 1) // len(scripts))
-        print(f"[{done:<20}] {i}/{len(scripts)} {script.name}", flush=True)
-        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
-        if subprocess.call(cmd) != 0:
-            failed.append(script.name)
-    print(f"[{'#' * 20}] {len(scripts)}/{len(scripts)} done", flush=True)
-    if failed:
-        print(f"mla-kv bench: failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from . import bench
+
+        return bench.main(argv[1:], prog="mla-kv bench")
     parser = _build_parser()
     args = parser.parse_args(argv)
     return args.run(args)

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -472,3 +473,125 @@ def format_timings(timings: Dict[str, Tuple[str, float]]) -> str:
     lines += [f"{name.ljust(width)}  {shape.ljust(shape_width)}  {us:9.1f} us"
               for name, (shape, us) in timings.items()]
     return "\n".join(lines)
+
+
+# ---- the mla-kv demo command -----------------------------------------------------------------
+
+def _device(args) -> tuple:
+    """(torch.device, a one-line note or None): --device, else cuda when a GPU and the kernels are there."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            args.parser.error("--device cuda: no CUDA GPU found (--device cpu runs the reference ops)")
+        if not ops.kernels_available():
+            args.parser.error("--device cuda: this mla_kv install has no CUDA kernels (--device cpu runs the "
+                              "reference ops)")
+        return torch.device("cuda", torch.cuda.current_device()), None
+    if args.device == "cpu":
+        return torch.device("cpu"), None
+    if torch.cuda.is_available() and ops.kernels_available():
+        return torch.device("cuda", torch.cuda.current_device()), None
+    reason = "no CUDA GPU found" if not torch.cuda.is_available() else "this mla_kv install has no CUDA kernels"
+    return torch.device("cpu"), f"{reason}: running the PyTorch reference ops (mla_kv.reference) on the CPU"
+
+
+def _dtype(args, device) -> str:
+    """The --dtype name, or the device's default; rejects what the CUDA kernels do not run."""
+    if device.type == "cpu":
+        return args.dtype or "fp32"
+    cc = torch.cuda.get_device_capability(device)
+    if args.dtype is None:
+        return "bf16" if cc >= (8, 0) else "fp16"
+    if args.dtype == "fp32":
+        args.parser.error("--dtype fp32: the attention kernels run fp16 or bf16 (fp32 runs on --device cpu)")
+    if args.dtype == "bf16" and cc < (8, 0):
+        args.parser.error(f"--dtype bf16: the bf16 kernels need sm80 or newer, this GPU is sm_{cc[0]}{cc[1]}")
+    return args.dtype
+
+
+def _plan_text(args, spec: ModelSpec, dtype_name: str, gpu: Optional[Tuple[str, int]]) -> str:
+    """The planner's view of the model: bytes per token of both layouts, and what fits on ``gpu``
+    ((label, bytes), default the current CUDA GPU)."""
+    cache_dtype = dtype_name if dtype_name in ("fp16", "bf16") else "fp16"
+    lines = []
+    if cache_dtype != dtype_name:
+        lines.append(f"(planned for an {cache_dtype} cache, as deployed; this run's cache is {dtype_name})")
+    gpu = gpu or planner.current_gpu()
+    if gpu is None:
+        per_layer = spec.model.bytes_per_token_per_layer(planner.CACHE_DTYPES[cache_dtype].itemsize, 1)
+        layers = spec.model.num_layers
+        latent, expanded = per_layer["latent"], per_layer["expanded"]
+        lines += [f"KV cache     {cache_dtype}, {layers} layers: latent {latent:,} B/token/layer "
+                  f"({latent * layers:,} B/token), expanded per-head {expanded:,} B/token/layer "
+                  f"({expanded * layers:,} B/token): {expanded // latent}x",
+                  "context      no GPU found: pass --gpu PRESET or --gpu-mem-gib N (and --weights-gb) to see "
+                  "the context that fits"]
+        return "\n".join(lines)
+    weights_gb = args.weights_gb
+    if weights_gb is None and spec.checkpoint is not None:
+        weights_gb = sum(os.path.getsize(os.path.join(spec.checkpoint, f)) for f in os.listdir(spec.checkpoint)
+                         if f.endswith(".safetensors")) / planner.GB
+    if weights_gb is None:
+        lines.append("(weights not counted: pass --weights-gb for the model's size)")
+        weights_gb = 0.0
+    result = planner.plan(spec.model, gpu[1], weights_gb * planner.GB, block_size=args.block_size,
+                          cache_dtype=cache_dtype)
+    lines.append(planner.format_plan(result, gpu[0]))
+    return "\n".join(lines)
+
+
+def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
+    """``mla-kv demo``: checks the parsed arguments against the model (an error exits 2 through
+    ``args.parser``), runs the demo and prints it -> 0, or 1 when a step is above its tolerance.
+    gpu: (label, bytes) of the GPU to plan for (--gpu / --gpu-mem-gib), default the current one."""
+    try:
+        spec = resolve_model(args.model)
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+    if args.layers > spec.model.num_layers:
+        args.parser.error(f"--layers {args.layers}: {spec.name} has {spec.model.num_layers} layers")
+    if args.prompt_len + args.decode_steps > spec.model.max_context:
+        args.parser.error(f"--prompt-len + --decode-steps = {args.prompt_len + args.decode_steps} exceeds "
+                          f"{spec.name}'s max context {spec.model.max_context:,}")
+    if args.heads is not None and spec.checkpoint is not None:
+        args.parser.error(f"--heads: {spec.name}'s weights fix the heads; the override is for random weights")
+    if args.block_size > spec.model.max_context:  # its blocks are allocated whole
+        args.parser.error(f"--block-size {args.block_size}: exceeds {spec.name}'s max context "
+                          f"{spec.model.max_context:,}")
+    if args.heads is not None and args.heads > spec.model.num_heads:  # it makes runs faster, never larger
+        args.parser.error(f"--heads {args.heads}: {spec.name} has {spec.model.num_heads} attention heads")
+    device, note = _device(args)
+    dtype_name = _dtype(args, device)
+    try:
+        stack = build_stack(spec, args.layers, DTYPES[dtype_name], device, seed=args.seed, num_heads=args.heads)
+    except ImportError as e:  # transformers or safetensors missing: not an argument error
+        print(f"mla-kv demo: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        where = f"{device}, {torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]}): the CUDA kernels"
+    else:
+        where = "cpu: the PyTorch reference ops (mla_kv.reference)"
+    if note:
+        print(note)
+    print(f"mla-kv demo  {spec.name}: prompt {args.prompt_len}, decode steps {args.decode_steps}, {dtype_name} "
+          f"on {where}")
+    print("\n".join(describe(stack, args.block_size)), end="\n\n", flush=True)
+    try:
+        result = run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
+                     time_kernels=device.type == "cuda")
+    except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
+        args.parser.error(str(e))
+    print(format_phases(result), end="\n\n")
+    print(_plan_text(args, spec, dtype_name, gpu))
+    if result.timings_us:
+        print()
+        print(format_timings(result.timings_us))
+    if result.failed:
+        worst = max(p.max_error for p in result.failed)
+        print(f"mla-kv demo: error above tolerance {result.tolerance:g} in "
+              f"{', '.join(p.name for p in result.failed)} (max {worst:.2e})", file=sys.stderr)
+        return 1
+    return 0

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from . import _checks, ops
 from .layout import LATENT_DIM, BlockPointerCache
+from .ops._common import _result_tensor, _same_device, _size, _tensor
 
 __all__ = [
     "CpTokens", "cp_decode", "cp_fused_write_kv", "cp_local_lens", "cp_local_positions", "cp_merge",
@@ -56,7 +57,7 @@ def _check_rank(size_name: str, size, rank) -> None:
 
 def _check_cu_q_lens(cu_q_lens) -> int:
     """The batch size of cu_q_lens int32 [B + 1]."""
-    ops._tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_q_lens.shape[0] < 2:
         raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
     return cu_q_lens.shape[0] - 1
@@ -84,7 +85,7 @@ def shard_heads(weight: torch.Tensor, num_heads: int, tp: int, rank: int, dim: i
     [hidden, H * v] along dim 1. Rank r of tp gets heads r * H / tp .. (r + 1) * H / tp - 1, so the
     slices of q_b_proj, kv_b_proj and o_proj of one rank describe the same heads.
     """
-    ops._tensor("weight", weight)
+    _tensor("weight", weight)
     _checks.integer("num_heads", num_heads, 1)
     _check_rank("tp", tp, rank)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -weight.dim() <= dim < weight.dim():
@@ -137,9 +138,9 @@ def cp_local_positions(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cp: 
     """
     _check_rank("cp", cp, rank)
     batch = _check_cu_q_lens(cu_q_lens)
-    ops._tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
-    ops._size("history_lens", history_lens, 0, batch)
-    ops._same_device(cu_q_lens=cu_q_lens, history_lens=history_lens)
+    _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _size("history_lens", history_lens, 0, batch)
+    _same_device(cu_q_lens=cu_q_lens, history_lens=history_lens)
     num_tokens = int(cu_q_lens[-1]) if num_tokens is None else _checks.integer("num_tokens", num_tokens, 0)
     seq, index = _sequence_of_tokens(cu_q_lens, num_tokens)
     valid = seq < batch
@@ -157,10 +158,10 @@ def cp_slot_mapping(tokens: CpTokens, block_table: torch.Tensor, block_size: int
     """
     if not isinstance(tokens, CpTokens):
         raise TypeError(f"tokens: expected mla_kv.parallel.CpTokens, got {type(tokens).__name__}")
-    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
-    ops._size("block_table", block_table, 1, 1, at_least=True)
+    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    _size("block_table", block_table, 1, 1, at_least=True)
     _checks.integer("block_size", block_size, 1)
-    ops._same_device(block_table=block_table, positions=tokens.local_positions)
+    _same_device(block_table=block_table, positions=tokens.local_positions)
     rows, width = block_table.shape
     block_index = tokens.local_positions // block_size
     inside = tokens.owned & (block_index < width) & (tokens.seq_ids < rows)
@@ -183,11 +184,11 @@ def cp_fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, 
     with a computed slot mapping (other ranks' tokens get slot -1). An engine writing many layers per
     step can compute cp_local_positions / cp_slot_mapping once and call fused_write_kv per layer.
     """
-    ops._tensor("kv_a", kv_a, dims=2)
-    ops._tensor("kv_cache", kv_cache, dims=3)
+    _tensor("kv_a", kv_a, dims=2)
+    _tensor("kv_cache", kv_cache, dims=3)
     tokens = cp_local_positions(cu_q_lens, history_lens, cp, rank, num_tokens=kv_a.shape[0])
-    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
-    ops._size("block_table", block_table, 0, cu_q_lens.shape[0] - 1)
+    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    _size("block_table", block_table, 0, cu_q_lens.shape[0] - 1)
     slots = cp_slot_mapping(tokens, block_table, kv_cache.shape[1])
     ops.fused_write_kv(kv_a, rms_weight, eps, tokens.positions, cos_sin_cache, kv_cache, slots,
                        rope_style=rope_style, q=q, validate=validate, arch=arch)
@@ -210,11 +211,11 @@ def cp_decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], se
     local max kv length); they serve every class call. No host synchronization.
     """
     _check_rank("cp", cp, rank)
-    ops._tensor("q", q, dims=4)
-    ops._tensor("seq_lens", seq_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _tensor("q", q, dims=4)
+    _tensor("seq_lens", seq_lens, dims=1, dtype=torch.int32, contiguous=True)
     batch, s_q, heads, _ = q.shape
-    out = ops._result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, q.device)
-    lse = ops._result_tensor("lse", lse, (batch, s_q, heads), torch.float32, q.device)
+    out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, q.device)
+    lse = _result_tensor("lse", lse, (batch, s_q, heads), torch.float32, q.device)
     for g in range(min(s_q, cp)):
         last = g + (len(range(g, s_q, cp)) - 1) * cp          # the class's last query
         class_lens = cp_local_lens(seq_lens.long() - s_q + last + 1, cp, rank)
@@ -240,10 +241,10 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     ``schedule`` / ``workspace``: for B * cp sequences and T tokens. No host synchronization.
     """
     _check_rank("cp", cp, rank)
-    ops._tensor("q", q, dims=3)
+    _tensor("q", q, dims=3)
     batch = _check_cu_q_lens(cu_q_lens)
-    ops._tensor("kv_lens", kv_lens, dims=1, dtype=torch.int32, contiguous=True)
-    ops._size("kv_lens", kv_lens, 0, batch)
+    _tensor("kv_lens", kv_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _size("kv_lens", kv_lens, 0, batch)
     if not causal or cp == 1:
         return ops.prefill(q, kv_cache, block_table, cu_q_lens, cp_local_lens(kv_lens, cp, rank), softmax_scale,
                            causal=causal, out=out, lse=lse, workspace=workspace, schedule=schedule, arch=arch)
@@ -251,9 +252,9 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         raise ValueError("kv_cache: causal cp_prefill takes a paged cache and block_table (its query classes "
                          "share table rows, which block pointers cannot express)")
     tokens, heads, _ = q.shape
-    out = ops._result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, q.device)
-    lse = ops._result_tensor("lse", lse, (tokens, heads), torch.float32, q.device)
-    ops._tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, q.device)
+    lse = _result_tensor("lse", lse, (tokens, heads), torch.float32, q.device)
+    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
 
     cu = cu_q_lens.long()
     q_lens = cu[1:] - cu[:-1]
@@ -283,8 +284,8 @@ def merge_partial_states(outs: torch.Tensor, lses: torch.Tensor, *, out: Optiona
     order with mla_kv.merge_states (n - 1 launches), so ranks merging the same gathered states get
     bit-identical results; a state with lse -inf counts for nothing.
     """
-    ops._tensor("outs", outs)
-    ops._tensor("lses", lses)
+    _tensor("outs", outs)
+    _tensor("lses", lses)
     if outs.dim() < 2 or outs.shape[0] < 1:
         raise ValueError(f"outs: expected [n >= 1, ..., D], got shape {tuple(outs.shape)}")
     if tuple(lses.shape) != tuple(outs.shape[:-1]):
@@ -314,8 +315,8 @@ def cp_merge(out: torch.Tensor, lse: torch.Tensor, group=None):
     world), its rank order being the cp rank. Two all-gathers (out, lse) through torch.distributed, then
     merge_partial_states: every rank gets the same full result, as replicated activations need.
     """
-    ops._tensor("out", out)
-    ops._tensor("lse", lse, dtype=torch.float32)
+    _tensor("out", out)
+    _tensor("lse", lse, dtype=torch.float32)
     world = dist.get_world_size(group)
     if world == 1:
         return out, lse

@@ -301,3 +301,36 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
     return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
                       reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=ratio,
                       block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts)
+
+
+def format_plan(result: MemoryPlan, gpu_label: str) -> str:
+    """The table of a plan that ``mla-kv plan`` and ``mla-kv demo`` print; gpu_label names the GPU."""
+    m = result.model
+    heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
+    layers = next(iter(result.layouts.values())).num_cached_layers
+    lines = [
+        f"model        {m.name}: {m.attention.upper()}, {layers} cached layers, {heads}, "
+        f"max context {m.max_context:,}",
+        f"GPU          {result.gpu_mem_bytes / GiB:.2f} GiB ({gpu_label}), tp {result.tp}, cp {result.cp}",
+        f"memory/GPU   weights {result.weight_bytes_per_gpu / GB:.2f} GB, reserved "
+        f"{result.reserved_bytes / GiB:.2f} GiB, free {result.free_bytes / GiB:.2f} GiB, "
+        f"cache {result.ratio:g} x free = {result.cache_bytes / GiB:.2f} GiB",
+        f"cache        {result.cache_dtype}, block size {result.block_size}",
+        "",
+    ]
+    header = ("layout", "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
+    rows = [header] + [
+        (lp.layout, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
+         f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
+         f"{lp.session_len:,}" + (" (truncated)" if lp.truncated else ""))
+        for lp in result.layouts.values()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
+        lines.append("  ".join(cells))
+    if "latent" in result.layouts:
+        latent, expanded = result.layouts["latent"], result.layouts["expanded"]
+        lines.append("")
+        lines.append(f"the latent layout stores {expanded.bytes_per_token // latent.bytes_per_token}x "
+                     "fewer bytes per token than the expanded per-head layout")
+    return "\n".join(lines)

@@ -12,7 +12,6 @@ The math runs in float32, or in float64 when q is float64; ``out`` has q's dtype
 (float64 for float64 q). A query that sees no key gets out = 0 and lse = -inf, never NaN.
 
 These functions are written for clarity, run on any device, and move index tensors to the host.
-``from mla_kv.reference_attention import *`` gives the public ones.
 """
 from __future__ import annotations
 
@@ -20,88 +19,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._checks import real
-from .layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots, to_latent_first
-
-__all__ = [
-    "decode", "prefill", "merge_states", "gather_kv",
-    "decode_blocks", "prefill_blocks", "gather_kv_blocks",
-]
-
-
-# ----------------------------------------------------------------------------------- checks
-def _check_tensor(name: str, t, dims: int, last: Optional[int] = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
-    if last is not None and t.shape[-1] != last:
-        raise ValueError(f"{name}: the last dim must be {last}, got shape {tuple(t.shape)}")
-
-
-def _check_index(name: str, t, dims: int) -> torch.Tensor:
-    """An integer index tensor, returned on the host as int64."""
-    _check_tensor(name, t, dims)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer dtype, got {t.dtype}")
-    return t.detach().cpu().long()
-
-
-def _check_lengths(name: str, lens: torch.Tensor, batch: int) -> None:
-    if lens.shape[0] != batch:
-        raise ValueError(f"{name}: expected {batch} entries, got shape {tuple(lens.shape)}")
-    if (lens < 0).any():
-        raise ValueError(f"{name}: lengths must be >= 0, got {lens.tolist()}")
-
-
-def _check_cu(name: str, cu: torch.Tensor) -> None:
-    if cu.shape[0] < 1 or cu[0] != 0 or (cu[1:] < cu[:-1]).any():
-        raise ValueError(f"{name}: must start at 0 and not decrease, got {cu.tolist()}")
-
-
-def _check_table(block_table: torch.Tensor, lens: torch.Tensor, kv_cache: torch.Tensor,
-                 lens_name: str) -> None:
-    """Every position < lens[b] must map to a block of kv_cache through block_table row b."""
-    if block_table.shape[0] != lens.shape[0]:
-        raise ValueError(f"block_table: expected {lens.shape[0]} rows (one per sequence), "
-                         f"got shape {tuple(block_table.shape)}")
-    block_size = kv_cache.shape[1]
-    needed = (lens + block_size - 1) // block_size
-    if (needed > block_table.shape[1]).any():
-        raise ValueError(f"block_table: {block_table.shape[1]} blocks per sequence cannot hold "
-                         f"{lens_name} {lens.tolist()} with block_size {block_size}")
-    for b in range(lens.shape[0]):
-        used = block_table[b, :int(needed[b])]
-        if ((used < 0) | (used >= kv_cache.shape[0])).any():
-            raise ValueError(f"block_table: row {b} holds block ids outside [0, {kv_cache.shape[0]})")
-
-
-def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor,
-            rows: Optional[int] = None) -> torch.Tensor:
-    """Copies ``value`` (its first ``rows`` rows, default all) into the caller's tensor when one is
-    given, else returns it."""
-    if given is None:
-        return value
-    if not isinstance(given, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(given).__name__}")
-    if given.shape != value.shape:
-        raise ValueError(f"{name}: expected shape {tuple(value.shape)}, got {tuple(given.shape)}")
-    if given.dtype != value.dtype:
-        raise TypeError(f"{name}: expected dtype {value.dtype}, got {given.dtype}")
-    given[:rows].copy_(value[:rows])
-    return given
+from .._checks import real
+from ..layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots
+from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _check_tensor, _paged_from_blocks,
+                      _result, _sequence_rows)
 
 
 # ------------------------------------------------------------------------------------- math
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _sequence_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The cache rows at ``slots`` (slot = block * block_size + offset) -> [len(slots), 576]."""
-    slots = slots.to(kv_cache.device)
-    block_size = kv_cache.shape[1]
-    return kv_cache[slots // block_size, slots % block_size]
 
 
 def _attend(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
@@ -237,71 +163,7 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return out.to(out_a.dtype), lse.to(lse_a.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_kv_lens: torch.Tensor, *,
-              starts: Optional[torch.Tensor] = None,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Copies the cache rows of each sequence into one contiguous tensor.
-
-    kv_cache [num_blocks, block_size, 576]; block_table int32 [B, max_blocks]; cu_kv_lens int32 [B + 1];
-    starts int32 [B] (default 0). Sequence b contributes the rows of positions
-    starts[b] .. starts[b] + (cu_kv_lens[b+1] - cu_kv_lens[b]) - 1, at out[cu_kv_lens[b]:cu_kv_lens[b+1]].
-    Returns [total_kv, 576] in kv_cache's dtype and row order; written into ``out`` when given.
-    """
-    _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
-    table = _check_index("block_table", block_table, 2)
-    cu = _check_index("cu_kv_lens", cu_kv_lens, 1)
-    _check_cu("cu_kv_lens", cu)
-    counts = cu[1:] - cu[:-1]
-    if starts is None:
-        first = torch.zeros_like(counts)
-    else:
-        first = _check_index("starts", starts, 1)
-        _check_lengths("starts", first, counts.shape[0])
-    _check_table(table, first + counts, kv_cache, "starts + kv lengths")
-
-    ends = first + counts
-    parts = [_sequence_rows(kv_cache, slots[int(first[b]):])
-             for b, slots in enumerate(block_table_slots(table, ends, kv_cache.shape[1]))]
-    rows = torch.cat(parts) if parts else kv_cache.new_zeros(0, ROW_DIM)
-    return _result("out", out, rows)
-
-
 # ------------------------------------------------------------------------ block-pointer ops
-def _paged_from_blocks(pool: BlockPool, layer: int, block_ids: torch.Tensor,
-                       cu_block_nums: torch.Tensor, lens: torch.Tensor,
-                       lens_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A block-pointer batch as a latent-first paged cache plus a block table.
-
-    Sequence b owns blocks block_ids[cu_block_nums[b]:cu_block_nums[b+1]] of the pool; ``lens`` [B]
-    are the positions each sequence must cover.
-    """
-    if not isinstance(pool, BlockPool):
-        raise TypeError(f"pool: expected a mla_kv.layout.BlockPool, got {type(pool).__name__}")
-    num_layers = pool.storage.shape[1]
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"layer: must be in [0, {num_layers}), got {layer}")
-    ids = _check_index("block_ids", block_ids, 1)
-    cu = _check_index("cu_block_nums", cu_block_nums, 1)
-    _check_cu("cu_block_nums", cu)
-    if int(cu[-1]) > ids.shape[0]:
-        raise ValueError(f"cu_block_nums: ends at {int(cu[-1])} but block_ids has {ids.shape[0]} entries")
-    _check_lengths(lens_name, lens, cu.shape[0] - 1)
-    counts = cu[1:] - cu[:-1]
-    if (lens > counts * pool.block_seq_len).any():
-        raise ValueError(f"{lens_name}: {lens.tolist()} exceed the blocks of each sequence "
-                         f"({counts.tolist()} x {pool.block_seq_len} rows)")
-
-    # Entries past a sequence's own blocks are never read (its length fits in them, checked above).
-    table = torch.zeros(counts.shape[0], max(int(counts.max()) if counts.numel() else 0, 1),
-                        dtype=torch.int64)
-    for b in range(counts.shape[0]):
-        table[b, :int(counts[b])] = ids[int(cu[b]):int(cu[b + 1])]
-    kv_cache = pool.layer_view(layer)
-    if pool.rope_first:
-        kv_cache = to_latent_first(kv_cache)
-    return kv_cache, table
-
-
 def decode_blocks(q: torch.Tensor, pool: BlockPool, layer: int, block_ids: torch.Tensor,
                   cu_block_nums: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, *,
                   out: Optional[torch.Tensor] = None,
@@ -324,22 +186,3 @@ def prefill_blocks(q: torch.Tensor, pool: BlockPool, layer: int, block_ids: torc
     lens = _check_index("kv_lens", kv_lens, 1)
     kv_cache, table = _paged_from_blocks(pool, layer, block_ids, cu_block_nums, lens, "kv_lens")
     return prefill(q, kv_cache, table, cu_q_lens, lens, softmax_scale, causal=causal, out=out, lse=lse)
-
-
-def gather_kv_blocks(pool: BlockPool, layer: int, block_ids: torch.Tensor,
-                     cu_block_nums: torch.Tensor, cu_kv_lens: torch.Tensor, *,
-                     starts: Optional[torch.Tensor] = None,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``gather_kv`` over a TurboMind-style block pool; blocks addressed as in ``decode_blocks``.
-
-    The rows come out latent first, [c_kv | k_pe], whatever the pool's row order, so the result feeds
-    kv_b_proj (its first 512 columns) directly.
-    """
-    cu = _check_index("cu_kv_lens", cu_kv_lens, 1)
-    _check_cu("cu_kv_lens", cu)
-    counts = cu[1:] - cu[:-1]
-    first = torch.zeros_like(counts) if starts is None else _check_index("starts", starts, 1)
-    _check_lengths("starts", first, counts.shape[0])
-    kv_cache, table = _paged_from_blocks(pool, layer, block_ids, cu_block_nums, first + counts,
-                                         "starts + kv lengths")
-    return gather_kv(kv_cache, table, cu, starts=first, out=out)

@@ -1,10 +1,4 @@
-"""The pure-PyTorch specification of every mla_kv op.
-
-Each function here is what the matching kernel computes, written for clarity rather than speed, and
-runs on any device and dtype (float64 included). Kernels are tested against these functions.
-
-Shapes use T tokens, H heads, R = 576 = 512 (latent c_kv) + 64 (rope key k_pe).
-"""
+"""The write ops' specification: RMSNorm, RoPE and the paged cache write (see mla_kv.reference)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -98,5 +92,3 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
 
 
 # The attention ops' specification lives in its own module; it is part of this one's API.
-from .reference_attention import (  # noqa: E402,F401
-    decode, decode_blocks, gather_kv, gather_kv_blocks, merge_states, prefill, prefill_blocks)

@@ -1,0 +1,27 @@
+"""The torch-facing ops: argument validation, then dispatch to the CUDA kernels or the reference.
+
+Every op checks its arguments before anything is launched or written and raises a ValueError or
+TypeError naming the bad argument. CUDA tensors go to the compiled kernels; CPU tensors run the
+pure-PyTorch reference (mla_kv.reference), which is also the specification of each op.
+
+Bounds that need device data (slot values, positions, block-table lengths) are checked only with
+``validate=True`` (a host synchronization); without it the kernels never read or write outside the
+cache and the outputs: writes skip out-of-range rows, gather leaves the rows it cannot find untouched,
+and attention reads a position with no block as a zero row (a finite but unspecified result). Ops do
+no host synchronization or allocation otherwise, so they can be captured in CUDA graphs.
+
+The ops live by family: ``write`` (write_kv, fused_write_kv and their block-pointer forms),
+``attention`` (attention_schedule, decode, prefill, merge_states) and ``gather`` (gather_kv); ``_common``
+holds what they share (the compiled module ``_C``, the argument checks, the cache conversions).
+"""
+from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
+from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
+                        prefill)
+from .gather import gather_kv
+from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blocks
+
+__all__ = [
+    "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "fused_write_kv",
+    "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "write_kv",
+    "write_kv_blocks",
+]

@@ -1,0 +1,114 @@
+"""What the reference's attention and gather ops share: argument checks and reading cache rows."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..layout import BlockPool, to_latent_first
+
+
+# ----------------------------------------------------------------------------------- checks
+def _check_tensor(name: str, t, dims: int, last: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
+    if last is not None and t.shape[-1] != last:
+        raise ValueError(f"{name}: the last dim must be {last}, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t, dims: int) -> torch.Tensor:
+    """An integer index tensor, returned on the host as int64."""
+    _check_tensor(name, t, dims)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer dtype, got {t.dtype}")
+    return t.detach().cpu().long()
+
+
+def _check_lengths(name: str, lens: torch.Tensor, batch: int) -> None:
+    if lens.shape[0] != batch:
+        raise ValueError(f"{name}: expected {batch} entries, got shape {tuple(lens.shape)}")
+    if (lens < 0).any():
+        raise ValueError(f"{name}: lengths must be >= 0, got {lens.tolist()}")
+
+
+def _check_cu(name: str, cu: torch.Tensor) -> None:
+    if cu.shape[0] < 1 or cu[0] != 0 or (cu[1:] < cu[:-1]).any():
+        raise ValueError(f"{name}: must start at 0 and not decrease, got {cu.tolist()}")
+
+
+def _check_table(block_table: torch.Tensor, lens: torch.Tensor, kv_cache: torch.Tensor,
+                 lens_name: str) -> None:
+    """Every position < lens[b] must map to a block of kv_cache through block_table row b."""
+    if block_table.shape[0] != lens.shape[0]:
+        raise ValueError(f"block_table: expected {lens.shape[0]} rows (one per sequence), "
+                         f"got shape {tuple(block_table.shape)}")
+    block_size = kv_cache.shape[1]
+    needed = (lens + block_size - 1) // block_size
+    if (needed > block_table.shape[1]).any():
+        raise ValueError(f"block_table: {block_table.shape[1]} blocks per sequence cannot hold "
+                         f"{lens_name} {lens.tolist()} with block_size {block_size}")
+    for b in range(lens.shape[0]):
+        used = block_table[b, :int(needed[b])]
+        if ((used < 0) | (used >= kv_cache.shape[0])).any():
+            raise ValueError(f"block_table: row {b} holds block ids outside [0, {kv_cache.shape[0]})")
+
+
+def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor,
+            rows: Optional[int] = None) -> torch.Tensor:
+    """Copies ``value`` (its first ``rows`` rows, default all) into the caller's tensor when one is
+    given, else returns it."""
+    if given is None:
+        return value
+    if not isinstance(given, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(given).__name__}")
+    if given.shape != value.shape:
+        raise ValueError(f"{name}: expected shape {tuple(value.shape)}, got {tuple(given.shape)}")
+    if given.dtype != value.dtype:
+        raise TypeError(f"{name}: expected dtype {value.dtype}, got {given.dtype}")
+    given[:rows].copy_(value[:rows])
+    return given
+
+
+# ------------------------------------------------------------------------------- cache rows
+def _sequence_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows at ``slots`` (slot = block * block_size + offset) -> [len(slots), 576]."""
+    slots = slots.to(kv_cache.device)
+    block_size = kv_cache.shape[1]
+    return kv_cache[slots // block_size, slots % block_size]
+
+
+def _paged_from_blocks(pool: BlockPool, layer: int, block_ids: torch.Tensor,
+                       cu_block_nums: torch.Tensor, lens: torch.Tensor,
+                       lens_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A block-pointer batch as a latent-first paged cache plus a block table.
+
+    Sequence b owns blocks block_ids[cu_block_nums[b]:cu_block_nums[b+1]] of the pool; ``lens`` [B]
+    are the positions each sequence must cover.
+    """
+    if not isinstance(pool, BlockPool):
+        raise TypeError(f"pool: expected a mla_kv.layout.BlockPool, got {type(pool).__name__}")
+    num_layers = pool.storage.shape[1]
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer: must be in [0, {num_layers}), got {layer}")
+    ids = _check_index("block_ids", block_ids, 1)
+    cu = _check_index("cu_block_nums", cu_block_nums, 1)
+    _check_cu("cu_block_nums", cu)
+    if int(cu[-1]) > ids.shape[0]:
+        raise ValueError(f"cu_block_nums: ends at {int(cu[-1])} but block_ids has {ids.shape[0]} entries")
+    _check_lengths(lens_name, lens, cu.shape[0] - 1)
+    counts = cu[1:] - cu[:-1]
+    if (lens > counts * pool.block_seq_len).any():
+        raise ValueError(f"{lens_name}: {lens.tolist()} exceed the blocks of each sequence "
+                         f"({counts.tolist()} x {pool.block_seq_len} rows)")
+
+    # Entries past a sequence's own blocks are never read (its length fits in them, checked above).
+    table = torch.zeros(counts.shape[0], max(int(counts.max()) if counts.numel() else 0, 1),
+                        dtype=torch.int64)
+    for b in range(counts.shape[0]):
+        table[b, :int(counts[b])] = ids[int(cu[b]):int(cu[b + 1])]
+    kv_cache = pool.layer_view(layer)
+    if pool.rope_first:
+        kv_cache = to_latent_first(kv_cache)
+    return kv_cache, table
