@@ -2,7 +2,8 @@
 
 A row is one token of one layer: 576 values, [c_kv (512) | k_pe (64)] in the paged tensor (vLLM,
 FlashMLA, FlashInfer) and [k_pe | c_kv] ("rope first") behind TurboMind block pointers by default.
-Quantized rows (later) append per-token scale bytes, so ``row_stride_bytes`` may exceed 576 values.
+Quantized formats (KV_FORMATS below) change a row's bytes; int8 / int4 keep per-token (scale, zero)
+in a trailer after a block's rows.
 
 Paged tensor, per layer::
 
@@ -25,6 +26,53 @@ import torch
 LATENT_DIM = 512
 ROPE_DIM = 64
 ROW_DIM = LATENT_DIM + ROPE_DIM
+
+# Cache formats (byte layouts in mla_kv.reference.quant, the spec of each): None is the 16-bit
+# (or fp32) row of today; the others are the engines' quantized rows.
+#   "fp8"         576 B: [c_kv | k_pe] in e4m3, one per-tensor dequant scale (vLLM fp8)
+#   "fp8_ds_mla"  656 B: 512 e4m3 in 4 tiles of 128, 4 fp32 tile scales, 64 bf16 k_pe (vLLM, FlashMLA)
+#   "int8"        576 B of codes per row + a (scale, zero) pair per token in the block's trailer
+#   "int4"        288 B of codes per row (TurboMind's nibble order) + the same trailer (TurboMind)
+KV_FORMATS = (None, "fp8", "fp8_ds_mla", "int8", "int4")
+_ROW_BYTES = {"fp8": ROW_DIM, "fp8_ds_mla": LATENT_DIM + 4 * 4 + ROPE_DIM * 2, "int8": ROW_DIM, "int4": ROW_DIM // 2}
+TRAILER_FORMATS = ("int8", "int4")  # formats whose per-token (scale, zero) sit after a block's rows
+
+
+def check_kv_format(kv_format, name: str = "kv_format") -> None:
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"{name}: one of {', '.join(map(repr, KV_FORMATS))}, got {kv_format!r}")
+
+
+def _element_size(dtype) -> int:
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype: float16, bfloat16 or float32, got {dtype}")
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def row_bytes(kv_format=None, dtype=torch.float16) -> int:
+    """Bytes of one cached row (one token of one layer) in ``kv_format``; dtype: the 16-bit (or fp32)
+    element type of an unquantized row. int8 / int4 rows hold the codes only (their per-token scale and
+    zero are in the block's trailer, see block_bytes)."""
+    check_kv_format(kv_format)
+    return ROW_DIM * _element_size(dtype) if kv_format is None else _ROW_BYTES[kv_format]
+
+
+def block_bytes(kv_format, block_size: int, dtype=torch.float16) -> int:
+    """Bytes of one layer's region of a block: block_size rows, then for int8 / int4 block_size
+    (scale, zero) pairs in ``dtype`` (the compute dtype, 16-bit), as TurboMind lays them out."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size: a positive int, got {block_size!r}")
+    rows = block_size * row_bytes(kv_format, dtype)
+    if kv_format in TRAILER_FORMATS:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype: {kv_format} stores its scale and zero in float16 or bfloat16, got {dtype}")
+        rows += block_size * 2 * _element_size(dtype)
+    return rows
+
+
+def bytes_per_token(kv_format=None, dtype=torch.float16) -> int:
+    """Cache bytes one token takes in one layer, trailer included (580 B for int8, 292 for int4)."""
+    return block_bytes(kv_format, 1, dtype)
 
 
 @dataclass

@@ -1,0 +1,165 @@
+"""The quantized formats' spec (mla_kv.reference.quant) against byte layouts built here by hand from
+the formats' definitions (../shared/notes/facts.md): an e4m3 decoder from the bits, fp8_ds_mla rows
+assembled with struct, TurboMind's int4 nibble order written out, the int8 / int4 block trailer."""
+import math
+import struct
+
+import pytest
+import torch
+
+from mla_kv import layout
+from mla_kv.reference import quant as Q
+
+
+def e4m3_from_bits(code: int) -> float:
+    """OCP E4M3: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    if exp == 0:
+        return sign * man / 8 * 2.0 ** -6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+TABLE = [e4m3_from_bits(c) for c in range(256)]
+
+
+def test_e4m3_decoding_matches_the_bit_definition_for_every_code():
+    got = Q.e4m3_values(torch.arange(256, dtype=torch.uint8))
+    for code, want in enumerate(TABLE):
+        g = got[code].item()
+        assert (math.isnan(g) and math.isnan(want)) or g == want, f"code 0x{code:02x}: {g} != {want}"
+    assert max(v for v in TABLE if not math.isnan(v)) == Q.E4M3_MAX
+
+
+def test_e4m3_encoding_rounds_to_nearest_even_and_saturates():
+    finite = sorted({v for v in TABLE if not math.isnan(v)})
+    xs = [0.0, 1e-9, -3e-3, 0.017, 1.0625, 1.1875, 5.5, 300.0, 447.9, 464.0, 1e6, -1e6]
+    mids = [(a + b) / 2 for a, b in zip(finite, finite[1:])]  # exact ties
+    gen = torch.Generator().manual_seed(0)
+    xs += mids[::7] + (torch.randn(500, generator=gen) * 40).tolist()
+    codes = Q.e4m3_codes(torch.tensor(xs, dtype=torch.float64))
+    for x, code in zip(xs, codes.tolist()):
+        c = max(-Q.E4M3_MAX, min(Q.E4M3_MAX, x))
+        best = min(abs(v - c) for v in finite)
+        candidates = [i for i, v in enumerate(TABLE) if not math.isnan(v) and abs(v - c) == best]
+        assert code in candidates, f"{x}: code 0x{code:02x} ({TABLE[code]}) is not a nearest value"
+        if len({TABLE[i] for i in candidates}) > 1:  # a tie: the even mantissa
+            assert code & 1 == 0, f"{x}: tie resolved to odd code 0x{code:02x}"
+
+
+def test_fp8_rows_are_e4m3_of_x_over_the_scale():
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(1)) * 3
+    scale = 0.02
+    data = Q.quantize_rows(x, "fp8", kv_scale=scale)
+    assert data.dtype == torch.uint8 and data.shape == (5, 576)
+    want = torch.tensor([[TABLE[c] for c in row] for row in data.tolist()]) * scale
+    assert torch.equal(Q.dequantize_rows(data, "fp8", kv_scale=scale), want.float())
+    # nearest representable: at most half a step of e4m3 (relative 2^-4) away, saturating at 448 * scale
+    assert bool(((want - x.clamp(-448 * scale, 448 * scale)).abs() <= x.abs() * 2 ** -4 + 2 ** -10 * scale).all())
+    for bad in (0, -1.0, math.inf, None, True):
+        with pytest.raises(ValueError, match="kv_scale"):
+            Q.quantize_rows(x, "fp8", kv_scale=bad)
+
+
+def test_fp8_ds_mla_row_bytes_by_hand():
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
+    x[1, 128:256] = 0.0          # an all-zero tile: its scale is FLT_MIN
+    x[2, :128] *= 1000.0         # a tile far above 448
+    data = Q.quantize_rows(x, "fp8_ds_mla")
+    assert data.shape == (3, 656) == (3, layout.row_bytes("fp8_ds_mla"))
+    for r in range(3):
+        raw = bytes(data[r].tolist())
+        scales = struct.unpack("<4f", raw[512:528])
+        for t in range(4):
+            amax = float(x[r, 128 * t:128 * (t + 1)].abs().max())
+            want = max(amax / 448, 2.0 ** -126)
+            assert scales[t] == struct.unpack("<f", struct.pack("<f", want))[0], (r, t)
+            for i in (0, 37, 127):
+                code = raw[128 * t + i]
+                got = TABLE[code] * scales[t]
+                assert abs(got - float(x[r, 128 * t + i])) <= abs(float(x[r, 128 * t + i])) * 2 ** -4 + scales[t] * 2 ** -9
+        rope = struct.unpack("<64H", raw[528:656])
+        want_rope = x[r, 512:].to(torch.bfloat16).view(torch.int16).tolist()
+        assert list(rope) == [v & 0xFFFF for v in want_rope]
+    back = Q.dequantize_rows(data, "fp8_ds_mla")
+    assert torch.equal(back[:, 512:], x[:, 512:].to(torch.bfloat16).float())
+    assert torch.equal(back[1, 128:256], torch.zeros(128))
+
+
+@pytest.mark.parametrize("kv_format,bits", [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int_rows_are_asymmetric_per_token_codes(kv_format, bits, dtype):
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(3)) * 4
+    x[2] = 1.5  # a constant row: scale 0, every code 0
+    codes, sz = Q.quantize_rows(x, kv_format, scale_dtype=dtype)
+    assert codes.shape == (6, layout.row_bytes(kv_format)) and sz.dtype == dtype and sz.shape == (6, 2)
+    top = 2 ** bits - 1
+    scale = ((x.amax(-1) - x.amin(-1)) / top).to(dtype)
+    assert torch.equal(sz[:, 0], scale) and torch.equal(sz[:, 1], x.amin(-1).to(dtype))
+    if kv_format == "int8":
+        values = codes.long()
+    else:  # TurboMind's nibble order, by hand: word nibbles (low first) hold v0 v2 v4 v6 v1 v3 v5 v7
+        values = torch.empty(6, 576, dtype=torch.long)
+        for r in range(6):
+            raw = bytes(codes[r].tolist())
+            for w in range(72):
+                (word,) = struct.unpack("<I", raw[4 * w:4 * w + 4])
+                for nibble, v in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                    values[r, 8 * w + v] = (word >> (4 * nibble)) & 0xF
+    assert int(values.max()) <= top and int(values.min()) >= 0
+    s, z = sz[:, :1].float(), sz[:, 1:].float()
+    want = torch.where(s > 0, torch.round((x - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp(0, top)
+    assert torch.equal(values.float(), want)
+    assert bool((values[2] == 0).all())
+    back = Q.dequantize_rows(codes, kv_format, scale_zero=sz)
+    assert torch.equal(back, values.float() * s + z)
+    # within half a step of the stored scale (plus what rounding the scale and zero to dtype costs)
+    slack = (x.amax(-1) - x.amin(-1)).abs()[:, None] * (2 ** -8 if dtype == torch.float16 else 2 ** -5)
+    assert bool(((back - x).abs() <= s / 2 + slack + 1e-6).all())
+
+
+def test_int4_packing_of_a_known_row():
+    codes = torch.arange(576) % 16
+    x = codes.float()[None]  # min 0, max 15: scale 1, zero 0, codes = the values themselves
+    data, sz = Q.quantize_rows(x, "int4")
+    assert sz.tolist() == [[1.0, 0.0]]
+    raw = bytes(data[0].tolist())
+    # values 0..7 -> nibbles 0,2,4,6,1,3,5,7 -> bytes 0x20, 0x64, 0x31, 0x75
+    assert raw[:4] == bytes([0x20, 0x64, 0x31, 0x75])
+    assert raw[4:8] == bytes([0xA8, 0xEC, 0xB9, 0xFD])  # values 8..15
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_block_region_is_rows_then_the_trailer(kv_format):
+    block_size, dtype = 16, torch.float16
+    x = torch.randn(3 * block_size, 576, generator=torch.Generator().manual_seed(4))
+    codes, sz = Q.quantize_rows(x, kv_format, scale_dtype=dtype)
+    blocks = Q.pack_blocks(codes.view(3, block_size, -1), sz.view(3, block_size, 2), kv_format)
+    rb = layout.row_bytes(kv_format)
+    assert blocks.shape == (3, layout.block_bytes(kv_format, block_size, dtype)) == (3, block_size * (rb + 4))
+    raw = bytes(blocks[1].tolist())
+    token = 5
+    assert raw[token * rb:(token + 1) * rb] == bytes(codes[block_size + token].tolist())
+    pair = struct.unpack("<2e", raw[block_size * rb + 4 * token:block_size * rb + 4 * token + 4])
+    assert list(pair) == sz[block_size + token].float().tolist()
+    c, s = Q.unpack_blocks(blocks, kv_format, block_size, dtype)
+    assert torch.equal(c.reshape(-1, rb), codes) and torch.equal(s.reshape(-1, 2), sz)
+
+
+def test_layout_sizes_and_bad_formats():
+    assert [layout.bytes_per_token(f) for f in layout.KV_FORMATS] == [1152, 576, 656, 580, 292]
+    assert layout.row_bytes(None, torch.float32) == 2304
+    assert layout.block_bytes("int4", 64, torch.bfloat16) == 64 * 292
+    for bad in ("fp16", "FP8", 8):
+        with pytest.raises(ValueError, match="kv_format"):
+            layout.row_bytes(bad)
+    with pytest.raises(ValueError, match="dtype"):
+        layout.block_bytes("int8", 64, torch.float32)
+    with pytest.raises(ValueError, match="block_size"):
+        layout.block_bytes("fp8", 0)
+    with pytest.raises(ValueError, match="data"):
+        Q.dequantize_rows(torch.zeros(2, 575, dtype=torch.uint8), "fp8", kv_scale=1.0)
+    with pytest.raises(ValueError, match="scale_zero"):
+        Q.dequantize_rows(torch.zeros(2, 576, dtype=torch.uint8), "int8")
