@@ -163,3 +163,81 @@ def test_layout_sizes_and_bad_formats():
         Q.dequantize_rows(torch.zeros(2, 575, dtype=torch.uint8), "fp8", kv_scale=1.0)
     with pytest.raises(ValueError, match="scale_zero"):
         Q.dequantize_rows(torch.zeros(2, 576, dtype=torch.uint8), "int8")
+
+
+# ------------------------------------------------------------------------------ the ops' spec
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "int8", "int4"])
+def test_quantized_write_then_decode_prefill_gather(kv_format):
+    """write_kv into a quantized cache touches only its slots' bytes; decode / prefill / gather over it
+    equal the 16-bit ops over the dequantized cache, which is within the format's error of the rows."""
+    from mla_kv import reference
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_blocks, dtype, scale = 16, 6, torch.float16, 0.05
+    kv = {"kv_scale": scale} if kv_format == "fp8" else {}
+    if kv_format in layout.TRAILER_FORMATS:
+        cache = torch.randint(0, 256, (num_blocks, layout.block_bytes(kv_format, block_size, dtype)),
+                              dtype=torch.uint8, generator=gen)
+    else:
+        cache = torch.randint(0, 256, (num_blocks, block_size, layout.row_bytes(kv_format)), dtype=torch.uint8,
+                              generator=gen)
+    before = cache.clone()
+    lens = [20, 7]
+    table = torch.tensor([[3, 0], [5, 1]], dtype=torch.int32)
+    slots = torch.cat([torch.tensor([int(table[b, p // block_size]) * block_size + p % block_size
+                                     for p in range(n)]) for b, n in enumerate(lens)])
+    rows = (torch.randn(sum(lens), 576, generator=gen)).to(dtype)
+    padded = torch.cat([slots, torch.tensor([-1, num_blocks * block_size])])
+    rows_padded = torch.cat([rows, torch.randn(2, 576, generator=gen).to(dtype)])
+    reference.write_kv(rows_padded[:, :512], rows_padded[:, 512:], cache, padded, kv_format=kv_format, **kv)
+
+    # untouched bytes: everything but the written tokens' rows (and, for int8 / int4, their pairs)
+    changed = (cache != before)
+    rb = layout.row_bytes(kv_format)
+    allowed = torch.zeros_like(changed)
+    for s in slots.tolist():
+        blk, off = divmod(s, block_size)
+        if kv_format in layout.TRAILER_FORMATS:
+            allowed[blk, off * rb:(off + 1) * rb] = True
+            allowed[blk, block_size * rb + 4 * off:block_size * rb + 4 * off + 4] = True
+        else:
+            allowed[blk, off] = True
+    assert not bool((changed & ~allowed).any()), "bytes outside the written slots changed"
+
+    deq = Q.dequantize_cache(cache, kv_format, kv_scale=scale, scale_dtype=dtype)
+    flat = deq.reshape(-1, 576)[slots]
+    err = (flat - rows.float()).norm() / rows.float().norm()
+    assert float(err) < {"fp8": 0.05, "fp8_ds_mla": 0.05, "int8": 0.01, "int4": 0.15}[kv_format], float(err)
+
+    q = torch.randn(2, 1, 5, 576, generator=gen, dtype=torch.float64)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    got = reference.decode(q, cache, table, seq, 0.1, kv_format=kv_format, scale_dtype=dtype, **kv)
+    want = reference.decode(q, deq.double(), table, seq, 0.1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    qp = torch.randn(7, 5, 576, generator=gen, dtype=torch.float64)
+    got = reference.prefill(qp, cache, table, cu, seq, 0.1, kv_format=kv_format, scale_dtype=dtype, **kv)
+    want = reference.prefill(qp, deq.double(), table, cu, seq, 0.1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cu_kv = torch.tensor([0, 20, 27], dtype=torch.int32)
+    rows_out = reference.gather_kv(cache, table, cu_kv, kv_format=kv_format, dtype=dtype, **kv)
+    assert rows_out.dtype == dtype and torch.equal(rows_out, flat.to(dtype))
+
+
+def test_fused_write_quantizes_the_normalized_rotated_row():
+    from mla_kv import reference
+    from mla_kv.rope import cos_sin_cache
+
+    gen = torch.Generator().manual_seed(6)
+    kv_a = torch.randn(9, 576, generator=gen).half()
+    w = torch.rand(512, generator=gen).half() + 0.5
+    pos = torch.arange(9)
+    cs = cos_sin_cache(64, 64, 10000.0)
+    slots = torch.arange(9) + 3
+    plain = torch.zeros(2, 16, 576, dtype=torch.float16)
+    reference.fused_write_kv(kv_a, w, 1e-6, pos, cs, plain, slots)
+    quantized = torch.zeros(2, layout.block_bytes("int8", 16, torch.float16), dtype=torch.uint8)
+    reference.fused_write_kv(kv_a, w, 1e-6, pos, cs, quantized, slots, kv_format="int8")
+    codes, sz = Q.quantize_rows(plain.view(-1, 576)[slots], "int8", scale_dtype=torch.float16)
+    deq = Q.dequantize_cache(quantized, "int8").reshape(-1, 576)[slots]
+    assert torch.equal(deq, Q.dequantize_rows(codes, "int8", scale_zero=sz))

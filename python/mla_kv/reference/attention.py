@@ -21,6 +21,7 @@ import torch
 
 from .._checks import real
 from ..layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots
+from . import quant
 from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _check_tensor, _paged_from_blocks,
                       _result, _sequence_rows)
 
@@ -60,7 +61,9 @@ def _attend(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
 # -------------------------------------------------------------------------------- paged ops
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, softmax_scale: float, *, out: Optional[torch.Tensor] = None,
-           lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           lse: Optional[torch.Tensor] = None, kv_format: Optional[str] = None,
+           kv_scale: Optional[float] = None,
+           scale_dtype: torch.dtype = torch.float16) -> Tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of S_q new tokens per sequence over the paged latent cache.
 
     q [B, S_q, H, 576] = [q_lat (512) | q_pe (64)], any strides; kv_cache [num_blocks, block_size, 576]
@@ -69,8 +72,11 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     Query i of sequence b sees kv positions < seq_lens[b] - S_q + i + 1 (causal inside the new tokens);
     a query seeing none (seq_len 0, or seq_len < S_q for the first queries) gets out 0 and lse -inf.
     Returns out [B, S_q, H, 512] in q's dtype and lse [B, S_q, H] float32 natural log (float64 for
-    float64 q); written into ``out``/``lse`` when given.
+    float64 q); written into ``out``/``lse`` when given. A quantized cache (kv_format, kv_scale;
+    scale_dtype: int8 / int4's scale type) is read as reference.quant.dequantize_cache gives it.
     """
+    if kv_format is not None:
+        kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=scale_dtype)
     _check_tensor("q", q, 4, ROW_DIM)
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
     table = _check_index("block_table", block_table, 2)
@@ -92,7 +98,9 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, softmax_scale: float, *,
             causal: bool = True, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+            lse: Optional[torch.Tensor] = None, kv_format: Optional[str] = None,
+            kv_scale: Optional[float] = None,
+            scale_dtype: torch.dtype = torch.float16) -> Tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed query tokens over the paged latent cache.
 
     q [T, H, 576] = [q_lat | q_pe] packed over sequences; kv_cache and block_table as in ``decode``;
@@ -102,8 +110,11 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     otherwise all kv_len positions. A query seeing none gets out 0 and lse -inf.
     Returns out [T, H, 512] in q's dtype and lse [T, H] float32 (float64 for float64 q). cu_q_lens[B]
     may be less than T (a CUDA-graph batch padded to a fixed T): the rows past it are left untouched
-    in a given ``out``/``lse`` (returned as 0 and -inf otherwise).
+    in a given ``out``/``lse`` (returned as 0 and -inf otherwise). kv_format / kv_scale /
+    scale_dtype: a quantized cache, as in ``decode``.
     """
+    if kv_format is not None:
+        kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=scale_dtype)
     _check_tensor("q", q, 3, ROW_DIM)
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
     table = _check_index("block_table", block_table, 2)

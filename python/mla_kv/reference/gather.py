@@ -9,20 +9,26 @@ from typing import Optional
 import torch
 
 from ..layout import ROW_DIM, BlockPool, block_table_slots
+from . import quant
 from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _check_tensor, _paged_from_blocks,
                       _result, _sequence_rows)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_kv_lens: torch.Tensor, *,
-              starts: Optional[torch.Tensor] = None,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              starts: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+              kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+              dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Copies the cache rows of each sequence into one contiguous tensor.
 
     kv_cache [num_blocks, block_size, 576]; block_table int32 [B, max_blocks]; cu_kv_lens int32 [B + 1];
     starts int32 [B] (default 0). Sequence b contributes the rows of positions
     starts[b] .. starts[b] + (cu_kv_lens[b+1] - cu_kv_lens[b]) - 1, at out[cu_kv_lens[b]:cu_kv_lens[b+1]].
     Returns [total_kv, 576] in kv_cache's dtype and row order; written into ``out`` when given.
+    A quantized cache (kv_format, kv_scale) is dequantized into rows of ``dtype`` (16-bit: the
+    expanded-route prefill input; also int8 / int4's scale type).
     """
+    if kv_format is not None:
+        kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=dtype).to(dtype)
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
     table = _check_index("block_table", block_table, 2)
     cu = _check_index("cu_kv_lens", cu_kv_lens, 1)

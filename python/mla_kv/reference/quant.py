@@ -160,3 +160,53 @@ def unpack_blocks(blocks: torch.Tensor, kv_format: str, block_size: int,
     codes = blocks[:, :rows].reshape(blocks.shape[0], block_size, -1)
     scale_zero = blocks[:, rows:].contiguous().view(dtype).reshape(blocks.shape[0], block_size, 2)
     return codes, scale_zero
+
+
+# ------------------------------------------------------------------------------ paged caches
+def _check_cache(kv_cache: torch.Tensor, kv_format: str, scale_dtype: torch.dtype) -> int:
+    """The block size of a quantized paged cache: uint8 [num_blocks, block_size, row_bytes] for the
+    per-row formats, uint8 [num_blocks, block_bytes] (rows, then the trailer) for int8 / int4."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.uint8:
+        raise TypeError(f"kv_cache: a {kv_format} cache is uint8, got {getattr(kv_cache, 'dtype', type(kv_cache))}")
+    if kv_format in TRAILER_FORMATS:
+        per_token = block_bytes(kv_format, 1, scale_dtype)
+        if kv_cache.dim() != 2 or kv_cache.shape[1] % per_token:
+            raise ValueError(f"kv_cache: {kv_format} blocks are [num_blocks, block_size x {per_token}] bytes, got "
+                             f"{tuple(kv_cache.shape)}")
+        return kv_cache.shape[1] // per_token
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != row_bytes(kv_format):
+        raise ValueError(f"kv_cache: {kv_format} is [num_blocks, block_size, {row_bytes(kv_format)}] bytes, got "
+                         f"{tuple(kv_cache.shape)}")
+    return kv_cache.shape[1]
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_format: str, *, kv_scale: Optional[float] = None,
+                     scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Every row of a quantized paged cache as float32 [num_blocks, block_size, 576]: what the
+    attention and gather kernels read from it (scale_dtype: the 16-bit type of int8 / int4 scales)."""
+    block_size = _check_cache(kv_cache, kv_format, scale_dtype)
+    if kv_format in TRAILER_FORMATS:
+        codes, sz = unpack_blocks(kv_cache, kv_format, block_size, scale_dtype)
+        return dequantize_rows(codes, kv_format, scale_zero=sz)
+    return dequantize_rows(kv_cache, kv_format, kv_scale=kv_scale)
+
+
+def write_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, kv_format: str, *,
+               kv_scale: Optional[float] = None) -> None:
+    """Quantizes rows [T, 576] (in their compute dtype, float16 / bfloat16: also the int8 / int4 scale
+    type) into the slots of a quantized paged cache, in place; negative and past-the-cache slots
+    are skipped, and nothing else of a block changes (an int8 / int4 token's codes and its pair)."""
+    scale_dtype = rows.dtype if rows.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    block_size = _check_cache(kv_cache, kv_format, scale_dtype)
+    keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * block_size)
+    slots, rows = slot_mapping[keep].long(), rows[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    if kv_format not in TRAILER_FORMATS:
+        kv_cache[blocks, offsets] = quantize_rows(rows, kv_format, kv_scale=kv_scale)
+        return
+    codes, sz = quantize_rows(rows, kv_format, scale_dtype=scale_dtype)
+    rb = row_bytes(kv_format)
+    columns = torch.arange(rb, device=kv_cache.device)
+    kv_cache[blocks[:, None], offsets[:, None] * rb + columns] = codes
+    pair = sz.contiguous().view(torch.uint8).reshape(-1, 4)
+    kv_cache[blocks[:, None], block_size * rb + offsets[:, None] * 4 + torch.arange(4, device=kv_cache.device)] = pair

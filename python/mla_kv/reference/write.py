@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from . import quant
+
 LATENT_DIM = 512
 ROPE_DIM = 64
 ROW_DIM = LATENT_DIM + ROPE_DIM
@@ -48,15 +50,22 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
 
 def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, kv_format: Optional[str] = None,
+             kv_scale: Optional[float] = None) -> None:
     """Writes rows [kv_c | k_pe] into the paged cache in place (vLLM's concat_and_cache_mla).
 
     kv_c [>=T, 512], k_pe [>=T, 64]; kv_cache [num_blocks, block_size, 576] (any strides);
     slot_mapping int64 [T]: token t goes to block slot // block_size, offset slot % block_size.
     Negative slots are padded tokens and are skipped, as are slots past the cache's capacity (the
     kernels never write outside the cache); only the first T input rows are read.
+    kv_format (layout.KV_FORMATS): a quantized uint8 cache (reference.quant.write_rows) written from
+    the rows in kv_c's dtype; kv_scale is "fp8"'s dequant scale.
     """
     t = slot_mapping.shape[0]
+    if kv_format is not None:
+        rows = torch.cat([kv_c[:t], k_pe[:t]], dim=-1)
+        quant.write_rows(kv_cache, rows, slot_mapping, kv_format, kv_scale=kv_scale)
+        return
     block_size = kv_cache.shape[1]
     keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * block_size)
     rows = torch.cat([kv_c[:t], k_pe[:t]], dim=-1).to(kv_cache.dtype)
@@ -69,7 +78,8 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, rope_style: str = "interleaved",
-                   q: Optional[torch.Tensor] = None) -> None:
+                   q: Optional[torch.Tensor] = None, kv_format: Optional[str] = None,
+                   kv_scale: Optional[float] = None) -> None:
     """RMSNorm + RoPE + cache write of the raw kv_a projection output, in place.
 
     kv_a [>=T, 576] = [c_kv (512) | k_pe (64)]; rms_weight [512]; positions int [>=T];
@@ -77,7 +87,8 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
     The row written is [rms_norm(c_kv, rms_weight, eps) | apply_rope(k_pe, positions)].
     If q [T, H, D] is given, its last 64 values per head are rotated in place at the same positions
     (also for padded tokens, whose cache row is skipped). A token whose position lies outside
-    [0, max_position) is left alone entirely: no cache row, no q rotation.
+    [0, max_position) is left alone entirely: no cache row, no q rotation. kv_format / kv_scale as
+    in write_kv (the normalized, rotated row is quantized in kv_a's dtype).
     """
     t = slot_mapping.shape[0]
     pos = positions[:t].long()
@@ -85,7 +96,7 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
     pos = pos.where(ok, 0)
     kv_c = rms_norm(kv_a[:t, :LATENT_DIM], rms_weight, eps)
     k_pe = apply_rope(kv_a[:t, LATENT_DIM:], pos, cos_sin_cache, rope_style)
-    write_kv(kv_c, k_pe, kv_cache, slot_mapping.where(ok, -1))
+    write_kv(kv_c, k_pe, kv_cache, slot_mapping.where(ok, -1), kv_format=kv_format, kv_scale=kv_scale)
     if q is not None:
         rotated = apply_rope(q[:t, :, -ROPE_DIM:], pos, cos_sin_cache, rope_style)
         q[:t, :, -ROPE_DIM:] = torch.where(ok[:, None, None], rotated, q[:t, :, -ROPE_DIM:])
