@@ -52,6 +52,59 @@ def test_plan_json():
     assert (out["tp"], out["cp"], out["model"]["name"]) == (4, 2, "glm-4.7-flash")
 
 
+# bytes per token and layer of each cache format, from its byte layout (fp16 compute dtype)
+FORMAT_BYTES = {"fp16": 576 * 2, "fp8": 576, "fp8_ds_mla": 512 + 4 * 4 + 64 * 2, "int8": 576 + 2 * 2,
+                "int4": 576 // 2 + 2 * 2}
+KV_FORMAT_ALL = ["plan", "--model", "glm-4.7-flash", "--gpu", "v100-32g", "--weights-gb", "18.4", "--kv-format", "all"]
+
+
+def test_plan_kv_format_all_table():
+    r = run_cli(*KV_FORMAT_ALL)
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("\n\n")[1].splitlines()
+    assert table[0].split()[:2] == ["format", "B/token/layer"]
+    assert [line.split()[0] for line in table[1:]] == list(FORMAT_BYTES)      # five rows, one per format
+    cache = (32 * 2 ** 30 - 18_400_000_000 - 2 * 2 ** 30) * 4 // 5
+    for line in table[1:]:
+        name, *cells = line.split()
+        per_layer = FORMAT_BYTES[name]
+        blocks = cache // (64 * 47 * per_layer)
+        assert cells == [f"{n:,}" for n in (per_layer, 47 * per_layer, 64 * 47 * per_layer, blocks, blocks * 64,
+                                            202_752)], line
+
+
+def test_plan_kv_format_all_json():
+    r = run_cli(*KV_FORMAT_ALL, "--json", "--block-size", "16")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [f["kv_format"] for f in out["kv_formats"]] == [None, "fp8", "fp8_ds_mla", "int8", "int4"]
+    cache = (32 * 2 ** 30 - 18_400_000_000 - 2 * 2 ** 30) * 4 // 5
+    assert out["cache_bytes"] == cache and out["gpu"] == "v100-32g"
+    for f, per_layer in zip(out["kv_formats"], FORMAT_BYTES.values()):
+        assert (f["bytes_per_token_per_layer"], f["bytes_per_block"]) == (per_layer, 16 * 47 * per_layer)
+        assert f["max_tokens"] == cache // (16 * 47 * per_layer) * 16
+
+
+def test_plan_one_kv_format(capsys):
+    assert cli.main(SEED_EXAMPLE + ["--kv-format", "int8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_format"] == "int8" and "expanded" not in out
+    assert (out["latent"]["bytes_per_token"], out["latent"]["num_blocks"]) == (47 * 580, 6_333)
+    assert cli.main(SEED_EXAMPLE + ["--kv-format", "fp8_ds_mla"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
+    assert rows["latent"][1:4] == ["656", "30,832", "1,973,248"] and "expanded" not in rows
+
+
+@pytest.mark.parametrize("spelling", ["16bit", "none"])
+def test_plan_kv_format_16bit_is_the_default_output(capsys, spelling):
+    for extra in ([], ["--json"]):
+        assert cli.main(SEED_EXAMPLE + extra) == 0
+        default = capsys.readouterr().out
+        assert cli.main(SEED_EXAMPLE + extra + ["--kv-format", spelling]) == 0
+        assert capsys.readouterr().out == default
+    assert "expanded" in default and "kv_format" not in default
+
+
 def test_plan_gpu_preset_and_config_path(tmp_path):
     config = {"model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512,
               "qk_rope_head_dim": 64, "max_position_embeddings": 163840}
@@ -174,6 +227,7 @@ BAD_ARGUMENTS = [
     ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32", "--weights-gb", "18.4", "--dtype", "fp8"],
     ["plan", "--model", "glm-4.7-flash", "--gpu", "v100-48g", "--weights-gb", "18.4"],
     ["plan", "--model", "glm-4.7-flash", "--gpu", "h200", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-4.7-flash", "--gpu", "h200", "--weights-gb", "18.4", "--kv-format", "fp16"],
     ["info", "--verbose"],
 ]
 
@@ -204,6 +258,12 @@ DEMO = ["demo", "--device", "cpu"]
     (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1e300"], "--weights-gb"),      # named "weight_bytes"
     (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--reserved-gib", "1e300"], "--reserved-gib"),
     (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--tp", "3"], "--tp"),     # named "tp"
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--kv-format", "int3"], "--kv-format"),
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--kv-format", "int8", "--dtype", "fp32"], "--dtype"),
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--kv-format", "all", "--dtype", "fp32"], "--dtype"),
+    (["plan", "--model", "llama-3.1-8b", "--gpu-mem-gib", "32", "--weights-gb", "1", "--kv-format", "fp8"],
+     "--kv-format"),                                                                 # named "kv_format"
+    (PLAN + ["--gpu-mem-gib", "32", "--weights-gb", "1", "--kv-format", "all", "--plot", "c.png"], "--plot"),
     (DEMO + ["--gpu-mem-gib", "1e300", "--weights-gb", "1"], "--gpu-mem-gib"),
     (DEMO + ["--gpu-mem-gib", "32", "--weights-gb", "1e300"], "--weights-gb"),
     (DEMO + ["--seed", "9" * 30], "--seed"),                                         # torch's overflow

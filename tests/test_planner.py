@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Glm4MoeLiteConfig
 
-from mla_kv import planner
+from mla_kv import layout, planner
 from mla_kv.planner import GqaModel, MlaModel, load_model, plan
 
 GIB = 2 ** 30
@@ -183,6 +183,157 @@ def test_gpu_presets():
     assert planner.gpu_mem_bytes("a100-80g") == 80 * GIB
     with pytest.raises(ValueError, match="gpu"):
         planner.gpu_mem_bytes("v100-48g")
+
+
+# ---- quantized cache formats (kv_format) ------------------------------------------------------
+
+# Bytes of one token of one layer, from the byte layout of each format (fp16 compute dtype):
+FORMAT_BYTES = {
+    None: 576 * 2,                      # 512 + 64 fp16 values
+    "fp8": 576,                         # 576 e4m3 values; the dequant scale is per tensor, not per token
+    "fp8_ds_mla": 512 + 4 * 4 + 64 * 2,  # 512 e4m3, 4 fp32 tile scales, 64 bf16 k_pe
+    "int8": 576 + 2 * 2,                # 576 one-byte codes + fp16 (scale, zero) in the block's trailer
+    "int4": 576 // 2 + 2 * 2,           # 288 B of nibbles + the same trailer
+}
+SEED_CACHE = (34_359_738_368 - 18_400_000_000 - 2_147_483_648) * 4 // 5   # 11,049,803,776 B
+
+
+def test_format_bytes_are_the_numbers_of_the_issue():
+    assert FORMAT_BYTES == {None: 1_152, "fp8": 576, "fp8_ds_mla": 656, "int8": 580, "int4": 292}
+    assert set(FORMAT_BYTES) == set(layout.KV_FORMATS)
+
+
+@pytest.mark.parametrize("kv_format", list(FORMAT_BYTES), ids=str)
+def test_kv_format_latent_bytes_blocks_and_tokens(kv_format):
+    """The seed example (GLM-4.7-Flash, V100-32G, 18.4 GB, ratio 0.8) in every format."""
+    per_layer = FORMAT_BYTES[kv_format]
+    p = plan(GLM, 32 * GIB, 18.4e9, kv_format=kv_format)
+    assert p.kv_format == kv_format and p.cache_bytes == SEED_CACHE
+    latent = p.layouts["latent"]
+    assert latent.bytes_per_token_per_layer == per_layer
+    assert latent.bytes_per_token == 47 * per_layer
+    assert latent.bytes_per_block == 64 * 47 * per_layer
+    blocks = SEED_CACHE // (64 * 47 * per_layer)
+    assert blocks * 64 * 47 * per_layer <= SEED_CACHE < (blocks + 1) * 64 * 47 * per_layer
+    assert (latent.num_blocks, latent.max_tokens) == (blocks, blocks * 64)
+    assert latent.session_len == 202_752 and not latent.truncated
+    # the expanded per-head layout has no quantized form: planned for the unquantized cache alone
+    assert list(p.layouts) == (["latent", "expanded"] if kv_format is None else ["latent"])
+
+
+def test_kv_format_seed_example_blocks():
+    blocks = {f: plan(GLM, 32 * GIB, 18.4e9, kv_format=f).layouts["latent"].num_blocks for f in FORMAT_BYTES}
+    assert blocks == {None: 3_188, "fp8": 6_377, "fp8_ds_mla": 5_599, "int8": 6_333, "int4": 12_580}
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "int8", "int4"])
+def test_kv_format_bytes_come_from_the_layout(kv_format, cache_dtype):
+    dtype = planner.CACHE_DTYPES[cache_dtype]
+    latent = plan(GLM, 32 * GIB, 18.4e9, kv_format=kv_format, cache_dtype=cache_dtype,
+                  block_size=32).layouts["latent"]
+    assert latent.bytes_per_token_per_layer == layout.bytes_per_token(kv_format, dtype) == FORMAT_BYTES[kv_format]
+    assert latent.bytes_per_block == 47 * layout.block_bytes(kv_format, 32, dtype) == 47 * 32 * FORMAT_BYTES[kv_format]
+
+
+def test_planner_follows_the_layouts_row_bytes(monkeypatch):
+    """One source for the numbers: a changed row in mla_kv.layout changes the plan."""
+    monkeypatch.setitem(layout._ROW_BYTES, "int8", 600)
+    latent = plan(GLM, 32 * GIB, 18.4e9, kv_format="int8").layouts["latent"]
+    assert latent.bytes_per_token_per_layer == 600 + 4
+    assert latent.bytes_per_block == 64 * 47 * 604
+
+
+def test_kv_format_max_tokens_scale_with_the_bytes():
+    """A cache that holds many blocks: tokens go as 1 / bytes per token (whole blocks aside)."""
+    tokens = {f: plan(GLM, 141 * GIB, 18.4e9, block_size=16, kv_format=f).layouts["latent"].max_tokens
+              for f in FORMAT_BYTES}
+    for f, per_layer in FORMAT_BYTES.items():
+        ratio = tokens[f] / tokens[None]
+        assert abs(ratio - 1_152 / per_layer) < 1e-3 * 1_152 / per_layer, (f, ratio)
+    assert tokens["int4"] > tokens["fp8"] > tokens["int8"] > tokens["fp8_ds_mla"] > tokens[None]
+
+
+def test_kv_format_lifts_the_truncation():
+    # 24 GiB: 4,179,722,649 B of cache; 16-bit latent 77,184 tokens (truncated), int4 304,512
+    cache = (24 * GIB - 18_400_000_000 - 2 * GIB) * 4 // 5
+    fp16 = plan(GLM, 24 * GIB, 18.4e9).layouts["latent"]
+    int4 = plan(GLM, 24 * GIB, 18.4e9, kv_format="int4").layouts["latent"]
+    assert fp16.max_tokens == cache // (64 * 47 * 1_152) * 64 and fp16.truncated
+    assert int4.max_tokens == cache // (64 * 47 * 292) * 64 >= 202_752
+    assert int4.session_len == 202_752 and not int4.truncated
+
+
+def test_kv_format_with_tp_cp_and_mtp():
+    p = plan(GLM, 32 * GIB, 18.4e9, kv_format="int4", tp=4, cp=2, count_mtp_layers=True)
+    latent = p.layouts["latent"]
+    assert latent.bytes_per_token_per_layer == 292       # every rank keeps the whole latent row
+    assert latent.bytes_per_token == 48 * 292
+    cache = (32 * GIB - 4_600_000_000 - 2 * GIB) * 4 // 5
+    assert latent.max_tokens == cache // (64 * 48 * 292) * 64 * 2
+    with pytest.raises(ValueError, match="tp"):
+        plan(GLM, 32 * GIB, 18.4e9, kv_format="int8", tp=3)
+
+
+def test_kv_format_none_is_todays_plan():
+    default = plan(GLM, 32 * GIB, 18.4e9)
+    assert plan(GLM, 32 * GIB, 18.4e9, kv_format=None) == default and default.kv_format is None
+    assert "kv_format" not in default.to_dict()                   # the JSON of before kv_format
+    assert plan(GLM, 32 * GIB, 18.4e9, kv_format="fp8").to_dict()["kv_format"] == "fp8"
+    assert planner.format_plan(default, "v100-32g") == """\
+model        glm-4.7-flash: MLA, 47 cached layers, 20 heads, max context 202,752
+GPU          32.00 GiB (v100-32g), tp 1, cp 1
+memory/GPU   weights 18.40 GB, reserved 2.00 GiB, free 12.86 GiB, cache 0.8 x free = 10.29 GiB
+cache        fp16, block size 64
+
+layout    B/token/layer    B/token      B/block  blocks  max tokens  session_len
+latent            1,152     54,144    3,465,216   3,188     204,032  202,752
+expanded         46,080  2,165,760  138,608,640      79       5,056  5,056 (truncated)
+
+the latent layout stores 40x fewer bytes per token than the expanded per-head layout"""
+
+
+def test_format_plan_of_a_quantized_format():
+    text = planner.format_plan(plan(GLM, 32 * GIB, 18.4e9, kv_format="int8"), "v100-32g")
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
+    assert rows["latent"][1:7] == ["580", "27,260", "1,744,640", "6,333", "405,312", "202,752"]
+    assert "expanded" not in rows                                 # no row of the expanded layout
+    assert "cache        int8, per-token scale and zero in fp16, block size 64" in text.splitlines()
+    assert text.splitlines()[-1].startswith("the expanded per-head layout has no int8 form")
+
+
+def test_plan_kv_formats_and_their_table():
+    plans = planner.plan_kv_formats(GLM, 32 * GIB, 18.4e9)
+    assert [p.kv_format for p in plans] == [None, "fp8", "fp8_ds_mla", "int8", "int4"]
+    text = planner.format_kv_formats(plans, "v100-32g")
+    table = text.split("\n\n")[1].splitlines()
+    assert table[0].split()[0] == "format" and len(table) == 1 + 5
+    for line, f in zip(table[1:], FORMAT_BYTES):
+        cells = line.split()
+        per_layer = FORMAT_BYTES[f]
+        blocks = SEED_CACHE // (64 * 47 * per_layer)
+        assert cells[0] == (f or "fp16")
+        assert cells[1:7] == [f"{n:,}" for n in (per_layer, 47 * per_layer, 64 * 47 * per_layer, blocks,
+                                                 blocks * 64, 202_752)]
+    with pytest.raises(TypeError, match="kv_format"):
+        planner.plan_kv_formats(GLM, 32 * GIB, 18.4e9, kv_format="int8")
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(kv_format="fp16"), "kv_format"),
+    (dict(kv_format="INT8"), "kv_format"),
+    (dict(kv_format=8), "kv_format"),
+    (dict(kv_format="int8", cache_dtype="fp32"), "cache_dtype"),
+    (dict(kv_format="int4", cache_dtype="fp32"), "cache_dtype"),
+    (dict(kv_format="fp8", model=planner.MODELS["llama-3.1-8b"]), "kv_format"),
+    (dict(kv_format="int4", model=MlaModel("small", num_layers=2, num_heads=4, max_context=4096, kv_lora_rank=32,
+                                             qk_rope_head_dim=16)), "kv_format"),
+])
+def test_bad_kv_format_names_the_argument(kwargs, argument):
+    args = dict(model=GLM, gpu_mem_bytes=32 * GIB, weight_bytes=18.4e9)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"^{argument}: "):
+        plan(**args)
 
 
 # ---- HF config.json loading --------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The ``mla-kv`` command line.
 
-    mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--json] [--plot FILE.png]
+    mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--kv-format F|all] [--json] [--plot FILE.png]
     mla-kv demo [--model PRESET|PATH] [--device cpu|cuda] [--layers N] [--prompt-len P] [--decode-steps N]
     mla-kv info
     mla-kv bench [--quick] [--json PATH] [--plot PATH]      (or: mla-kv bench OP [OP's options])
@@ -17,7 +17,7 @@ import math
 import sys
 from typing import Optional
 
-from . import _plot, __version__, demo, planner
+from . import _plot, __version__, demo, layout, planner
 from .planner import GB, GiB
 
 
@@ -70,6 +70,9 @@ def _integer(minimum: int, maximum: Optional[int] = None):
 
 
 _positive_int = _integer(1)
+
+# --kv-format spellings: "16bit" (or "none") is kv_format None, the unquantized row in --dtype.
+_KV_FORMATS = {"16bit": None, "none": None, **{f: f for f in layout.KV_FORMATS if f is not None}}
 # torch.Generator.manual_seed takes [-2^63, 2^64 - 1]; the demo seeds with seed and seed + 1
 _seed = _integer(-2 ** 63, 2 ** 64 - 2)
 
@@ -104,7 +107,12 @@ def _build_parser() -> _Parser:
                         "activations (default %(default)g)")
     p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,
                    help="tokens per cache block (default %(default)s)")
-    p.add_argument("--dtype", choices=list(planner.CACHE_DTYPES), default="fp16", help="cache dtype")
+    p.add_argument("--dtype", choices=list(planner.CACHE_DTYPES), default="fp16",
+                   help="cache dtype: of the unquantized rows, and of int8/int4's per-token scale and zero")
+    p.add_argument("--kv-format", choices=[*_KV_FORMATS, "all"], default="16bit",
+                   help="cache format: 16bit (or none; default): unquantized rows in --dtype, latent and expanded "
+                        "layouts; fp8, fp8_ds_mla, int8, int4: quantized latent rows (no expanded layout); "
+                        "all: every format side by side, latent layout")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (splits heads)")
     p.add_argument("--cp", type=_positive_int, default=1,
                    help="context parallel size (splits tokens: multiplies the context that fits)")
@@ -173,19 +181,31 @@ def _gpu_memory(args) -> tuple:
     return found
 
 
+# planner parameters whose values the options' argparse types cannot check alone -> their options
+_PLAN_OPTIONS = {"tp": "--tp", "kv_format": "--kv-format", "cache_dtype": "--dtype"}
+
+
 def _as_option(message: str) -> str:
     """A planner message naming the option: "tp: 3 does not divide ..." -> "--tp: 3 ...". The options'
-    argparse types bound every other plan parameter; a --tp that does not divide the model's heads is
-    what is left for the planner to refuse."""
-    return "--" + message if message.startswith("tp: ") else message
+    argparse types bound every other plan parameter; what is left for the planner to refuse is a --tp
+    that does not divide the model's heads and a --kv-format the model (GQA, rows not 512 + 64) or
+    --dtype (fp32 for int8/int4's scale and zero) has no form of."""
+    name, sep, rest = message.partition(": ")
+    return f"{_PLAN_OPTIONS[name]}: {rest}" if sep and name in _PLAN_OPTIONS else message
 
 
 def _plan_kwargs(args) -> dict:
-    return dict(ratio=args.ratio, reserved_bytes=args.reserved_gib * GiB, block_size=args.block_size,
-                cache_dtype=args.dtype, tp=args.tp, cp=args.cp, count_mtp_layers=args.mtp)
+    """plan()'s keyword arguments from the options (without kv_format for --kv-format all)."""
+    kwargs = dict(ratio=args.ratio, reserved_bytes=args.reserved_gib * GiB, block_size=args.block_size,
+                  cache_dtype=args.dtype, tp=args.tp, cp=args.cp, count_mtp_layers=args.mtp)
+    if args.kv_format != "all":
+        kwargs["kv_format"] = _KV_FORMATS[args.kv_format]
+    return kwargs
 
 
 def _plan(args) -> int:
+    if args.plot and args.kv_format == "all":
+        args.parser.error("--plot: plots one --kv-format at a time, not all")
     missing = _plot.matplotlib_missing() if args.plot else None
     if missing:
         print(f"mla-kv plan: {missing}", file=sys.stderr)
@@ -193,10 +213,19 @@ def _plan(args) -> int:
     try:
         model = planner.load_model(args.model)
         gpu_label, gpu_bytes = _gpu_memory(args)
-        result = planner.plan(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
+        if args.kv_format == "all":
+            results = planner.plan_kv_formats(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
+        else:
+            result = planner.plan(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
     except (ValueError, TypeError) as e:
         args.parser.error(_as_option(str(e)))
 
+    if args.kv_format == "all":
+        if args.json:
+            print(json.dumps(_formats_json(results, gpu_label), indent=2))
+        else:
+            print(planner.format_kv_formats(results, gpu_label))
+        return 0
     if args.json:
         print(json.dumps(dict(result.to_dict(), gpu=gpu_label), indent=2))
     else:
@@ -213,6 +242,15 @@ def _plan(args) -> int:
         if not args.json:
             print(f"\nplot written to {path}")
     return 0
+
+
+def _formats_json(results, gpu_label: str) -> dict:
+    """--kv-format all --json: the inputs and memory split once, then "kv_formats": one latent layout
+    plan per format, each with its kv_format (null: unquantized)."""
+    first = results[0].to_dict()
+    out = dict({k: v for k, v in first.items() if k not in results[0].layouts}, gpu=gpu_label)
+    out["kv_formats"] = [dict(kv_format=r.kv_format, **r.to_dict()["latent"]) for r in results]
+    return out
 
 
 def _plot_context(path: str, result: planner.MemoryPlan, weight_bytes: float, plan_kwargs: dict) -> None:
@@ -240,7 +278,7 @@ def _plot_context(path: str, result: planner.MemoryPlan, weight_bytes: float, pl
     ax.set_xlabel("GPU memory (GiB)")
     ax.set_ylabel("tokens that fit in the KV cache")
     ax.set_title(f"{result.model.name}: weights {result.weight_bytes_per_gpu / GB:.1f} GB/GPU, "
-                 f"ratio {result.ratio:g}, {result.cache_dtype}, tp {result.tp}, cp {result.cp}")
+                 f"ratio {result.ratio:g}, {planner.format_label(result)}, tp {result.tp}, cp {result.cp}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -11,6 +11,16 @@ For an MLA model it plans two layouts side by side:
 A GQA model (for comparison) has one layout, ``kv``: kv_heads/tp x 2 x head_dim values per token
 and layer (KV heads are replicated when tp exceeds their number).
 
+Quantized caches (``kv_format``, one of mla_kv.layout.KV_FORMATS): None is the unquantized row in
+``cache_dtype`` above. ``"fp8"``, ``"fp8_ds_mla"``, ``"int8"`` and ``"int4"`` are latent rows of
+512 + 64 values whose bytes per token and layer, and per block, are mla_kv.layout's
+(``bytes_per_token`` / ``block_bytes``: int8 and int4 include the per-token scale and zero of the
+block's trailer, kept in ``cache_dtype``, which must then be fp16 or bf16). A quantized plan has the
+``latent`` layout only: the expanded per-head layout has no quantized form in this library, so it
+is planned for kv_format None alone (a 16-bit expanded row next to a quantized latent one would
+compare the format and the layout at once). GQA models and MLA models whose rows are not 512 + 64
+values have no quantized format here.
+
 Memory accounting (TurboMind's ``cache_max_entry_count`` semantics), per GPU::
 
     free         = gpu_mem - weight_bytes / tp - reserved_bytes
@@ -45,10 +55,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import layout
 from ._checks import integer, real
 from .layout import LATENT_DIM, ROPE_DIM
 
@@ -235,7 +246,8 @@ class LayoutPlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The inputs, the per-GPU memory split and one LayoutPlan per layout (latent/expanded or kv)."""
+    """The inputs, the per-GPU memory split and one LayoutPlan per layout (latent/expanded or kv;
+    latent alone for a quantized kv_format)."""
 
     model: Model
     gpu_mem_bytes: int
@@ -249,10 +261,15 @@ class MemoryPlan:
     tp: int
     cp: int
     layouts: Dict[str, LayoutPlan]
+    kv_format: Optional[str] = None
 
     def to_dict(self) -> dict:
-        """JSON-ready: the inputs and memory split, the model, and one key per layout."""
+        """JSON-ready: the inputs and memory split, the model, and one key per layout. ``kv_format``
+        is there for a quantized plan only (without it: the unquantized cache of cache_dtype, the
+        same dict as before kv_format existed)."""
         out = {k: v for k, v in asdict(self).items() if k not in ("model", "layouts")}
+        if self.kv_format is None:
+            del out["kv_format"]
         out["model"] = dict(asdict(self.model), attention=self.model.attention)
         out.update({name: asdict(lp) for name, lp in self.layouts.items()})
         return out
@@ -260,8 +277,12 @@ class MemoryPlan:
 
 def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
          reserved_bytes: float = DEFAULT_RESERVED_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
-         cache_dtype: str = "fp16", tp: int = 1, cp: int = 1, count_mtp_layers: bool = False) -> MemoryPlan:
+         cache_dtype: str = "fp16", tp: int = 1, cp: int = 1, count_mtp_layers: bool = False,
+         kv_format: Optional[str] = None) -> MemoryPlan:
     """Plans the KV cache of ``model`` on GPUs of ``gpu_mem_bytes`` each (see the module docstring).
+
+    kv_format: None (the unquantized cache in cache_dtype) or a quantized latent format of
+    mla_kv.layout.KV_FORMATS, planned for the latent layout alone.
 
     weight_bytes is the whole model's (each GPU holds weight_bytes / tp). When weights and reserved
     bytes exceed the GPU, free memory is 0 and no token fits. Byte counts and ratio are finite real
@@ -280,8 +301,12 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
         raise ValueError(f"cache_dtype: must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
     if not isinstance(count_mtp_layers, bool):
         raise TypeError(f"count_mtp_layers: expected a bool, got {type(count_mtp_layers).__name__}")
+    layout.check_kv_format(kv_format)
 
     per_layer = model.bytes_per_token_per_layer(CACHE_DTYPES[cache_dtype].itemsize, tp)
+    block_per_layer = {name: layer_bytes * block_size for name, layer_bytes in per_layer.items()}
+    if kv_format is not None:
+        per_layer, block_per_layer = _quantized_latent(model, kv_format, cache_dtype, block_size)
     layers = model.num_layers + (model.num_mtp_layers if count_mtp_layers else 0)
     weights_per_gpu = weights // tp
     free = max(0, gpu - weights_per_gpu - reserved)
@@ -290,7 +315,7 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
     layouts = {}
     for name, layer_bytes in per_layer.items():
         per_token = layer_bytes * layers
-        per_block = per_token * block_size
+        per_block = block_per_layer[name] * layers
         blocks = cache // per_block
         max_tokens = blocks * block_size * cp
         layouts[name] = LayoutPlan(
@@ -300,37 +325,102 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
             truncated=max_tokens < model.max_context)
     return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
                       reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=ratio,
-                      block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts)
+                      block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts,
+                      kv_format=kv_format)
 
 
-def format_plan(result: MemoryPlan, gpu_label: str) -> str:
-    """The table of a plan that ``mla-kv plan`` and ``mla-kv demo`` print; gpu_label names the GPU."""
+def _quantized_latent(model: Model, kv_format: str, cache_dtype: str, block_size: int) -> Tuple[dict, dict]:
+    """({"latent": bytes per token per layer}, {"latent": bytes per block per layer}) of a quantized
+    format, from mla_kv.layout (int8 / int4: the per-token scale and zero of the trailer included)."""
+    if model.attention != "mla":
+        raise ValueError(f"kv_format: {kv_format!r} is a format of the MLA latent row; {model.name} is a "
+                         f"{model.attention.upper()} model (unquantized cache only)")
+    if (model.kv_lora_rank, model.qk_rope_head_dim) != (LATENT_DIM, ROPE_DIM):
+        raise ValueError(f"kv_format: {kv_format!r} is laid out for rows of {LATENT_DIM} + {ROPE_DIM} values; "
+                         f"{model.name} has {model.kv_lora_rank} + {model.qk_rope_head_dim} (unquantized cache only)")
+    if kv_format in layout.TRAILER_FORMATS and cache_dtype not in ("fp16", "bf16"):
+        raise ValueError(f"cache_dtype: {kv_format} keeps its per-token scale and zero in fp16 or bf16, "
+                         f"got {cache_dtype}")
+    dtype = CACHE_DTYPES[cache_dtype]
+    return ({"latent": layout.bytes_per_token(kv_format, dtype)},
+            {"latent": layout.block_bytes(kv_format, block_size, dtype)})
+
+
+def plan_kv_formats(model: Model, gpu_mem_bytes: float, weight_bytes: float, **kwargs) -> Tuple[MemoryPlan, ...]:
+    """One plan per format of mla_kv.layout.KV_FORMATS (None first), with plan()'s other arguments."""
+    if "kv_format" in kwargs:
+        raise TypeError("plan_kv_formats: plans every kv_format; do not pass one")
+    return tuple(plan(model, gpu_mem_bytes, weight_bytes, kv_format=f, **kwargs) for f in layout.KV_FORMATS)
+
+
+def format_label(result: MemoryPlan) -> str:
+    """The name of a plan's cache format in tables: the kv_format, or the cache dtype when unquantized."""
+    return result.kv_format or result.cache_dtype
+
+
+def _header(result: MemoryPlan, gpu_label: str, cache: str) -> list:
+    """The lines above a plan's table: model, GPU, memory per GPU and the ``cache`` line's text."""
     m = result.model
     heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
     layers = next(iter(result.layouts.values())).num_cached_layers
-    lines = [
+    return [
         f"model        {m.name}: {m.attention.upper()}, {layers} cached layers, {heads}, "
         f"max context {m.max_context:,}",
         f"GPU          {result.gpu_mem_bytes / GiB:.2f} GiB ({gpu_label}), tp {result.tp}, cp {result.cp}",
         f"memory/GPU   weights {result.weight_bytes_per_gpu / GB:.2f} GB, reserved "
         f"{result.reserved_bytes / GiB:.2f} GiB, free {result.free_bytes / GiB:.2f} GiB, "
         f"cache {result.ratio:g} x free = {result.cache_bytes / GiB:.2f} GiB",
-        f"cache        {result.cache_dtype}, block size {result.block_size}",
+        f"cache        {cache}, block size {result.block_size}",
         "",
     ]
-    header = ("layout", "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
+
+
+def _table(first_column: str, named: Sequence[Tuple[str, LayoutPlan]]) -> list:
+    """Aligned rows (name, B/token/layer, ..., session_len) of the layout plans, a header first."""
+    header = (first_column, "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
     rows = [header] + [
-        (lp.layout, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
+        (name, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
          f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
          f"{lp.session_len:,}" + (" (truncated)" if lp.truncated else ""))
-        for lp in result.layouts.values()]
+        for name, lp in named]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
-        lines.append("  ".join(cells))
-    if "latent" in result.layouts:
+    return ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]])
+            for r in rows]
+
+
+def format_plan(result: MemoryPlan, gpu_label: str) -> str:
+    """The table of a plan that ``mla-kv plan`` and ``mla-kv demo`` print; gpu_label names the GPU."""
+    cache = result.cache_dtype
+    if result.kv_format in layout.TRAILER_FORMATS:
+        cache = f"{result.kv_format}, per-token scale and zero in {result.cache_dtype}"
+    elif result.kv_format is not None:
+        cache = result.kv_format
+    lines = _header(result, gpu_label, cache)
+    lines += _table("layout", [(lp.layout, lp) for lp in result.layouts.values()])
+    if "expanded" in result.layouts:
         latent, expanded = result.layouts["latent"], result.layouts["expanded"]
         lines.append("")
         lines.append(f"the latent layout stores {expanded.bytes_per_token // latent.bytes_per_token}x "
                      "fewer bytes per token than the expanded per-head layout")
+    elif result.kv_format is not None:
+        lines.append("")
+        lines.append(f"the expanded per-head layout has no {result.kv_format} form here: it is planned "
+                     "for the unquantized cache only")
     return "\n".join(lines)
+
+
+def format_kv_formats(results: Sequence[MemoryPlan], gpu_label: str) -> str:
+    """One table of the latent layout in several cache formats (plan_kv_formats' plans), a row each."""
+    if not results:
+        raise ValueError("results: no plans to format")
+    first = results[0]
+    lines = _header(first, gpu_label, f"every format; {first.cache_dtype} for the unquantized rows and "
+                                      "int8/int4's scale and zero")
+    lines += _table("format", [(format_label(r), r.layouts["latent"]) for r in results])
+    note = "the rows are the latent layout; the expanded per-head layout has no quantized form here"
+    for r in results:
+        if "expanded" in r.layouts:
+            lp = r.layouts["expanded"]
+            note += (f" (in {format_label(r)}: {lp.bytes_per_token:,} B/token, {lp.max_tokens:,} max tokens"
+                     + (", truncated)" if lp.truncated else ")"))
+    return "\n".join(lines + ["", note])
