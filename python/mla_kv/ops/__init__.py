@@ -13,12 +13,16 @@ no host synchronization or allocation otherwise, so they can be captured in CUDA
 The ops live by family: ``write`` (write_kv, fused_write_kv and their block-pointer forms),
 ``attention`` (attention_schedule, decode, prefill, merge_states) and ``gather`` (gather_kv); ``_common``
 holds what they share (the compiled module ``_C``, the argument checks, the cache conversions).
+``library`` registers every op as a torch.library custom op, ``torch.ops.mla_kv.<name>``, for
+torch.compile and CUDA graphs (see its docstring for the schemas).
 """
 from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
 from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
 from .gather import gather_kv
 from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blocks
+
+from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 
 __all__ = [
     "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "fused_write_kv",

@@ -1,0 +1,317 @@
+"""The ops as torch.library custom ops, ``torch.ops.mla_kv.<name>``, for torch.compile and CUDA graphs.
+
+``import mla_kv`` registers them (written and tested for torch 2.13; torch.library.custom_op came in 2.4).
+REGISTERED lists what is registered: nothing on a torch without custom_op; on one whose custom_op refuses
+an op, the ops before it, with a warning. Each op calls the Python function of the same name
+(mla_kv.write_kv, mla_kv.decode, ...), which validates its arguments and runs the CUDA kernels on
+CUDA tensors and the reference on CPU tensors: there is one implementation. torch.compile sees an
+opaque op with a fake (meta) implementation that computes only the output shapes and dtypes, and
+mutation annotations for what the op writes, so a model calling them compiles without graph breaks
+(``fullgraph=True``) and the compiled graph can be captured in a CUDA graph.
+
+The ops take the Python function's leading positional arguments; tensor arguments that the function
+takes by keyword (q, workspace, out, starts) are positional here, after them (a custom op takes
+tensors positionally), and the other keywords stay keywords. Schemas (``(a!)``: written in place)::
+
+    write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *,
+             bool validate=False, str? arch=None) -> ()
+    fused_write_kv(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
+                   Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q=None, *,
+                   str rope_style="interleaved", bool validate=False, str? arch=None) -> ()
+    write_kv_blocks(Tensor kv_c, Tensor k_pe, Tensor(a!) block_ptrs, Tensor cu_block_nums,
+                    SymInt block_seq_len, SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, *,
+                    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None,
+                    bool validate=False, str? arch=None) -> ()
+    fused_write_kv_blocks(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
+                          Tensor(a!) block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
+                          SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q=None, *,
+                          str rope_style="interleaved", <cache keywords>, bool validate=False, str? arch=None) -> ()
+    decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale,
+           Tensor(a!)? workspace=None, *, <schedule keywords>, bool validate=False, str? arch=None)
+           -> (Tensor out, Tensor lse)
+    decode_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
+                  SymInt layer_offset_bytes, Tensor seq_lens, float softmax_scale, Tensor(a!)? workspace=None, *,
+                  <cache keywords>, <schedule keywords>, bool validate=False, str? arch=None) -> (Tensor, Tensor)
+    prefill(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cu_q_lens, Tensor kv_lens,
+            float softmax_scale, Tensor(a!)? workspace=None, *, bool causal=True, <schedule keywords>,
+            bool validate=False, str? arch=None) -> (Tensor out, Tensor lse)
+    prefill_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
+                   SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor kv_lens, float softmax_scale,
+                   Tensor(a!)? workspace=None, *, bool causal=True, <cache keywords>, <schedule keywords>,
+                   bool validate=False, str? arch=None) -> (Tensor, Tensor)
+    merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
+    gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
+              bool validate=False, str? arch=None) -> ()
+    gather_kv_blocks(Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len, SymInt layer_offset_bytes,
+                     Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *, <cache keywords>,
+                     bool validate=False, str? arch=None) -> ()
+
+    <cache keywords>    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None
+    <schedule keywords> SymInt? num_splits=None, SymInt? tokens_per_split=None, SymInt[]? smem_limits=None,
+                        str tile_loads="auto"
+
+Arguments that are not tensors or scalars are flattened:
+
+* A layout.BlockPointerCache becomes (block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes) in its
+  place and the cache keywords dtype (default: the inputs' dtype: kv_c, kv_a, q or out), rope_first and
+  row_stride_bytes; ``block_pointer_args(cache)`` and ``block_pointer_kwargs(cache)`` give both. The
+  ``_blocks`` ops run on CUDA tensors only, like the functions.
+* An AttentionSchedule becomes num_splits and tokens_per_split (both or neither; neither: the default
+  schedule decode / prefill pick from the sizes, on the host, with no sync), smem_limits as
+  [per_block, per_sm, reserved_per_block] bytes and tile_loads; ``schedule_kwargs(schedule)`` gives them.
+  The workspace bytes follow from the sizes. Pass ``workspace`` (sized by attention_schedule()) to keep
+  the op from allocating one.
+
+What differs from the functions, and why:
+
+* decode / prefill / merge_states return new out and lse tensors and take no ``out`` / ``lse``: a custom op
+  may not return one of its inputs. Under a CUDA graph the results live in the graph's memory pool.
+* gather_kv / gather_kv_blocks require ``out`` [N >= total_kv, 576] and return nothing (read ``out``):
+  without it the row count would be cu_kv_lens[-1], device data that a fake implementation cannot
+  read (and that the function reads with a host sync).
+* The block-pointer writes declare ``block_ptrs`` as written, although they leave its values alone: what
+  they write is the memory the pointers address, which torch does not see. The annotation keeps a compiled
+  graph from dropping a write (it returns nothing) and orders it before later ops that read the same
+  block_ptrs tensor (decode_blocks, prefill_blocks, gather_kv_blocks), as kv_cache orders the paged ops.
+  A compiled graph may pass the kernel a copy of block_ptrs: the same addresses.
+
+``validate=True`` reads device data on the host (a sync): keep it out of CUDA graphs. Every op is tagged
+needs_exact_strides where torch has the tag, so inductor passes the inputs with their eager strides.
+"""
+import inspect
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..gpus import smem_limits as _smem_limits
+from ..layout import LATENT_DIM, BlockPointerCache
+from . import attention as _attention, gather as _gather, write as _write
+from ._common import _C, _tensor
+
+Tensor = torch.Tensor
+
+__all__ = ["REGISTERED", "block_pointer_args", "block_pointer_kwargs", "schedule_kwargs"]
+
+
+# ------------------------------------------------------------------------------ conversions
+def block_pointer_args(cache: BlockPointerCache) -> tuple:
+    """The positional arguments that stand for ``cache`` in the _blocks ops:
+    (block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes)."""
+    return cache.block_ptrs, cache.cu_block_nums, cache.block_seq_len, cache.layer_offset_bytes
+
+
+def block_pointer_kwargs(cache: BlockPointerCache) -> dict:
+    """The keyword arguments that complete ``cache`` in the _blocks ops: dtype, rope_first, row_stride_bytes."""
+    return dict(dtype=cache.dtype, rope_first=cache.rope_first, row_stride_bytes=cache.row_stride_bytes)
+
+
+def schedule_kwargs(schedule: _attention.AttentionSchedule) -> dict:
+    """The keyword arguments of decode / prefill that stand for ``schedule`` (an attention_schedule())."""
+    limits = schedule.smem_limits
+    return dict(num_splits=schedule.num_splits, tokens_per_split=schedule.tokens_per_split,
+                smem_limits=None if limits is None else [limits.per_block, limits.per_sm, limits.reserved_per_block],
+                tile_loads=schedule.tile_loads)
+
+
+def _cache(like: Tensor, like_name: str, block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype,
+           rope_first, row_stride_bytes) -> BlockPointerCache:
+    """The BlockPointerCache of flattened cache arguments; dtype None: ``like``'s."""
+    if dtype is None:
+        dtype = _tensor(like_name, like).dtype
+    return BlockPointerCache(block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                             row_stride_bytes)
+
+
+def _schedule(q: Tensor, dims: int, num_splits, tokens_per_split, smem_limits,
+              tile_loads) -> Optional[_attention.AttentionSchedule]:
+    """The AttentionSchedule of the flattened schedule arguments (None: the op's default one)."""
+    if num_splits is None and tokens_per_split is None:
+        if smem_limits is not None or tile_loads != "auto":
+            raise ValueError("smem_limits / tile_loads: belong to a schedule; pass num_splits and tokens_per_split "
+                             "too (schedule_kwargs(attention_schedule(...)))")
+        return None
+    if num_splits is None or tokens_per_split is None:
+        raise ValueError("num_splits / tokens_per_split: pass both (a schedule) or neither (the default schedule)")
+    _attention._check_q(q, dims)
+    limits = _smem_limits(None if smem_limits is None else tuple(smem_limits))
+    need = 0  # an invalid split count is reported by the op (on CUDA; the reference takes no schedule)
+    if _C is not None and _C.attention_splits_valid(num_splits, tokens_per_split, 0):
+        need = _C.attention_workspace_size(q.shape[:-2].numel(), q.shape[-2], num_splits)
+    return _attention.AttentionSchedule(num_splits, tokens_per_split, need, None, limits, tile_loads)
+
+
+# ---------------------------------------------------------------------------------- writes
+def write_kv(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *, validate: bool = False,
+             arch: Optional[str] = None) -> None:
+    """mla_kv.write_kv."""
+    _write.write_kv(kv_c, k_pe, kv_cache, slot_mapping, validate=validate, arch=arch)
+
+
+def fused_write_kv(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                   kv_cache: Tensor, slot_mapping: Tensor, q: Optional[Tensor] = None, *,
+                   rope_style: str = "interleaved", validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.fused_write_kv (q positional)."""
+    _write.fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping,
+                          rope_style=rope_style, q=q, validate=validate, arch=arch)
+
+
+def write_kv_blocks(kv_c: Tensor, k_pe: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
+                    layer_offset_bytes: int, cu_q_lens: Tensor, history_lens: Tensor, *,
+                    dtype: Optional[torch.dtype] = None, rope_first: bool = True,
+                    row_stride_bytes: Optional[int] = None, validate: bool = False,
+                    arch: Optional[str] = None) -> None:
+    """mla_kv.write_kv_blocks with the cache flattened."""
+    cache = _cache(kv_c, "kv_c", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes)
+    _write.write_kv_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, validate=validate, arch=arch)
+
+
+def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                          block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int, layer_offset_bytes: int,
+                          cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor] = None, *,
+                          rope_style: str = "interleaved", dtype: Optional[torch.dtype] = None,
+                          rope_first: bool = True, row_stride_bytes: Optional[int] = None, validate: bool = False,
+                          arch: Optional[str] = None) -> None:
+    """mla_kv.fused_write_kv_blocks with the cache flattened (q positional)."""
+    cache = _cache(kv_a, "kv_a", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes)
+    _write.fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache, cache, cu_q_lens, history_lens,
+                                 rope_style=rope_style, q=q, validate=validate, arch=arch)
+
+
+# ------------------------------------------------------------------------------- attention
+def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
+           workspace: Optional[Tensor] = None, *, num_splits: Optional[int] = None,
+           tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
+           tile_loads: str = "auto", validate: bool = False, arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.decode -> (out, lse), with the schedule flattened."""
+    schedule = _schedule(q, 4, num_splits, tokens_per_split, smem_limits, tile_loads)
+    return _attention.decode(q, kv_cache, block_table, seq_lens, softmax_scale, workspace=workspace,
+                             schedule=schedule, validate=validate, arch=arch)
+
+
+def decode_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
+                  layer_offset_bytes: int, seq_lens: Tensor, softmax_scale: float,
+                  workspace: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None,
+                  rope_first: bool = True, row_stride_bytes: Optional[int] = None, num_splits: Optional[int] = None,
+                  tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
+                  tile_loads: str = "auto", validate: bool = False,
+                  arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.decode over a BlockPointerCache -> (out, lse), with the cache and the schedule flattened."""
+    cache = _cache(q, "q", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes)
+    return decode(q, cache, None, seq_lens, softmax_scale, workspace, num_splits=num_splits,
+                  tokens_per_split=tokens_per_split, smem_limits=smem_limits, tile_loads=tile_loads,
+                  validate=validate, arch=arch)
+
+
+def prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor, kv_lens: Tensor,
+            softmax_scale: float, workspace: Optional[Tensor] = None, *, causal: bool = True,
+            num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
+            smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
+            arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.prefill -> (out, lse), with the schedule flattened. Rows of out / lse past cu_q_lens[B]
+    are unspecified (the function leaves them untouched in its own fresh tensors)."""
+    schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
+    return _attention.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, causal=causal,
+                              workspace=workspace, schedule=schedule, validate=validate, arch=arch)
+
+
+def prefill_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
+                   layer_offset_bytes: int, cu_q_lens: Tensor, kv_lens: Tensor, softmax_scale: float,
+                   workspace: Optional[Tensor] = None, *, causal: bool = True, dtype: Optional[torch.dtype] = None,
+                   rope_first: bool = True, row_stride_bytes: Optional[int] = None,
+                   num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
+                   smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
+                   arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.prefill over a BlockPointerCache -> (out, lse), with the cache and the schedule flattened."""
+    cache = _cache(q, "q", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes)
+    return prefill(q, cache, None, cu_q_lens, kv_lens, softmax_scale, workspace, causal=causal,
+                   num_splits=num_splits, tokens_per_split=tokens_per_split, smem_limits=smem_limits,
+                   tile_loads=tile_loads, validate=validate, arch=arch)
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """mla_kv.merge_states -> (out, lse)."""
+    return _attention.merge_states(out_a, lse_a, out_b, lse_b)
+
+
+# ---------------------------------------------------------------------------------- gather
+def gather_kv(kv_cache: Tensor, block_table: Tensor, cu_kv_lens: Tensor, out: Tensor,
+              starts: Optional[Tensor] = None, *, validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.gather_kv into ``out`` (required: a fake cannot read cu_kv_lens[-1], the row count)."""
+    _gather.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts, out=out, validate=validate, arch=arch)
+
+
+def gather_kv_blocks(block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int, layer_offset_bytes: int,
+                     cu_kv_lens: Tensor, out: Tensor, starts: Optional[Tensor] = None, *,
+                     dtype: Optional[torch.dtype] = None, rope_first: bool = True,
+                     row_stride_bytes: Optional[int] = None, validate: bool = False,
+                     arch: Optional[str] = None) -> None:
+    """mla_kv.gather_kv over a BlockPointerCache into ``out`` (required), with the cache flattened."""
+    cache = _cache(out, "out", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes)
+    _gather.gather_kv(cache, None, cu_kv_lens, starts=starts, out=out, validate=validate, arch=arch)
+
+
+# ------------------------------------------------------------------------ fake implementations
+def _writes_only(*args, **kwargs) -> None:
+    """The ops that only write their inputs have no outputs to describe."""
+    return None
+
+
+def _attention_fake(dims: int):
+    """out [..., H, 512] in q's dtype and lse [..., H] (float32; float64 for float64 q) for q of ``dims`` dims."""
+    def fake(q, *args, **kwargs):
+        _attention._check_q(q, dims)
+        rows = q.shape[:-1]
+        return q.new_empty((*rows, LATENT_DIM)), q.new_empty(rows, dtype=_attention._lse_dtype(q))
+    return fake
+
+
+def _merge_states_fake(out_a, lse_a, out_b, lse_b):
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=_attention._lse_dtype(out_a))
+
+
+# (function, the arguments it writes, its fake)
+_OPS = (
+    (write_kv, ("kv_cache",), _writes_only),
+    (fused_write_kv, ("kv_cache", "q"), _writes_only),
+    (write_kv_blocks, ("block_ptrs",), _writes_only),
+    (fused_write_kv_blocks, ("block_ptrs", "q"), _writes_only),
+    (decode, ("workspace",), _attention_fake(4)),
+    (decode_blocks, ("workspace",), _attention_fake(4)),
+    (prefill, ("workspace",), _attention_fake(3)),
+    (prefill_blocks, ("workspace",), _attention_fake(3)),
+    (merge_states, (), _merge_states_fake),
+    (gather_kv, ("out",), _writes_only),
+    (gather_kv_blocks, ("out",), _writes_only),
+)
+
+
+def _register() -> dict:
+    """Defines torch.ops.mla_kv.<name> for every op; {} where torch has no torch.library.custom_op. An op
+    this torch's custom_op refuses (an older torch.library) ends the registration with a warning."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return {}
+    options = {}
+    exact = getattr(torch.Tag, "needs_exact_strides", None)
+    if exact is not None and "tags" in inspect.signature(custom_op).parameters:
+        options["tags"] = (exact,)
+    defs = {}
+    try:
+        for fn, mutates, fake in _OPS:
+            op = custom_op(f"mla_kv::{fn.__name__}", fn, mutates_args=mutates, **options)
+            op.register_fake(fake)
+            defs[fn.__name__] = op
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:  # an older torch.library
+        warnings.warn(f"mla_kv: torch.ops.mla_kv.* left unregistered, torch {torch.__version__} refused "
+                      f"{fn.__name__}: {e}", RuntimeWarning, stacklevel=2)
+    return defs
+
+
+# name -> torch.library.CustomOpDef of each registered op (held here: an op lives while its definition does)
+REGISTERED = _register()
