@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._checks import real
 from ..layout import BlockPool, to_latent_first
 
 
@@ -112,3 +113,18 @@ def _paged_from_blocks(pool: BlockPool, layer: int, block_ids: torch.Tensor,
     if pool.rope_first:
         kv_cache = to_latent_first(kv_cache)
     return kv_cache, table
+
+
+def _check_packed(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q_lens: torch.Tensor,
+                  kv_lens: torch.Tensor, softmax_scale) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """The checks of a packed (prefill) call after q's own: (table, cu_q_lens, kv_lens, scale)."""
+    table = _check_index("block_table", block_table, 2)
+    cu = _check_index("cu_q_lens", cu_q_lens, 1)
+    lens = _check_index("kv_lens", kv_lens, 1)
+    scale = real("softmax_scale", softmax_scale, above=0)
+    _check_cu("cu_q_lens", cu)
+    if int(cu[-1]) > q.shape[0]:
+        raise ValueError(f"cu_q_lens: ends at {int(cu[-1])}, past q's {q.shape[0]} tokens")
+    _check_lengths("kv_lens", lens, cu.shape[0] - 1)
+    _check_table(table, lens, kv_cache, "kv_lens")
+    return table, cu, lens, scale

@@ -22,7 +22,7 @@ import torch
 from .._checks import real
 from ..layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots
 from . import quant
-from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _check_tensor, _paged_from_blocks,
+from ._common import (_check_index, _check_lengths, _check_packed, _check_table, _check_tensor, _paged_from_blocks,
                       _result, _sequence_rows)
 
 
@@ -117,15 +117,7 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=scale_dtype)
     _check_tensor("q", q, 3, ROW_DIM)
     _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
-    table = _check_index("block_table", block_table, 2)
-    cu = _check_index("cu_q_lens", cu_q_lens, 1)
-    lens = _check_index("kv_lens", kv_lens, 1)
-    scale = real("softmax_scale", softmax_scale, above=0)
-    _check_cu("cu_q_lens", cu)
-    if int(cu[-1]) > q.shape[0]:
-        raise ValueError(f"cu_q_lens: ends at {int(cu[-1])}, past q's {q.shape[0]} tokens")
-    _check_lengths("kv_lens", lens, cu.shape[0] - 1)
-    _check_table(table, lens, kv_cache, "kv_lens")
+    table, cu, lens, scale = _check_packed(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale)
 
     acc = _acc_dtype(q)
     tokens, heads, _ = q.shape
