@@ -11,15 +11,16 @@ check_attention.
 The CPU tests check that the generated data scores what the patterns claim.
 """
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mla_kv import reference
+from mla_kv import gpus, reference
 from mla_kv.layout import ROW_DIM
 
-from gpu_checks import (ATTENTION_ARCHS, block_pointer_copy, cache_with_rows, check_attention, run_decode,
-                        run_prefill, split_schedule)
+from gpu_checks import (ATTENTION_ARCHS, block_pointer_copy, cache_with_rows, check_attention, default_schedule,
+                        run_decode, run_prefill, split_schedule)
 
 pytestmark = ATTENTION_ARCHS  # the variants of the tests taking `arch` (the GPU ones)
 
@@ -145,6 +146,22 @@ def prefill_q_lens(lens):
 @pytest.mark.parametrize("s_q", [1, 3, 8, None], ids=["decode1", "decode3", "decode8", "prefill"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_score_patterns(pattern, s_q, dtype, arch):
+    check_score_patterns(pattern, s_q, dtype, arch)
+
+
+# The Sm80 kernel's register-staged tiles of the 99 KB GPUs (A10 / A40 / RTX 30, L40 / RTX 40), which
+# the H200's own limits never pick: the same patterns under that class's shared-memory limits.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("s_q", [1, 3, None], ids=["decode1", "decode3", "prefill"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_score_patterns_on_the_99kb_tiles(pattern, s_q, dtype):
+    check_score_patterns(pattern, s_q, dtype, "sm80", gpu="A10 / A40 / RTX 30")
+
+
+def check_score_patterns(pattern, s_q, dtype, arch, gpu=None):
+    """Every pattern x split x addressing of one variant against the reference; gpu: a GPU class whose
+    shared-memory limits the launches plan under (mla_kv.gpus), None: this GPU's."""
     make_targets, multipliers = PATTERNS[pattern]
     targets = make_targets("cuda")
     lens = [t.shape[0] for t in targets]
@@ -163,10 +180,16 @@ def test_score_patterns(pattern, s_q, dtype, arch):
         ref_out, ref_lse = reference.prefill(q.double(), cache.double(), table, cu, seq_lens, SCALE)
     positions = table.shape[1] * BLOCK_SIZE
     for tokens_per_split in (None, 256, 48):
-        schedule = None if tokens_per_split is None else split_schedule(
-            -(-positions // tokens_per_split), tokens_per_split, sum(q_lens), heads)
         for kv_cache, block_table, addressing in ((cache, table, "paged"), (blocks, None, "block pointers")):
-            what = f"{pattern} S_q={s_q or 'prefill'} split={tokens_per_split} {addressing}"
+            if tokens_per_split is not None:
+                schedule = replace(split_schedule(-(-positions // tokens_per_split), tokens_per_split, sum(q_lens),
+                                                  heads), smem_limits=gpus.smem_limits(gpu))
+            elif gpu is not None:
+                schedule = default_schedule(q, kv_cache, block_table, packed_batch=None if s_q else batch,
+                                            arch=arch, smem_limits=gpu)
+            else:
+                schedule = None
+            what = f"{pattern} S_q={s_q or 'prefill'} split={tokens_per_split} {addressing} gpu={gpu}"
             if s_q:
                 out, lse = run_decode(q, kv_cache, block_table, seq_lens, SCALE, arch=arch, schedule=schedule)
             else:
