@@ -163,6 +163,10 @@ def test_layout_sizes_and_bad_formats():
         Q.dequantize_rows(torch.zeros(2, 575, dtype=torch.uint8), "fp8", kv_scale=1.0)
     with pytest.raises(ValueError, match="scale_zero"):
         Q.dequantize_rows(torch.zeros(2, 576, dtype=torch.uint8), "int8")
+    cache = torch.zeros(1, layout.block_bytes("int8", 16), dtype=torch.uint8)
+    with pytest.raises(TypeError, match="16-bit"):
+        Q.write_rows(cache, torch.zeros(1, 576), torch.zeros(1, dtype=torch.int64), "int8")
+    assert bool((cache == 0).all())
 
 
 # ------------------------------------------------------------------------------ the ops' spec

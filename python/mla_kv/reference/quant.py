@@ -196,6 +196,8 @@ def write_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.T
     """Quantizes rows [T, 576] (in their compute dtype, float16 / bfloat16: also the int8 / int4 scale
     type) into the slots of a quantized paged cache, in place; negative and past-the-cache slots
     are skipped, and nothing else of a block changes (an int8 / int4 token's codes and its pair)."""
+    if kv_format in TRAILER_FORMATS and rows.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"rows: {kv_format} stores its scale and zero in the rows' 16-bit dtype, got {rows.dtype}")
     scale_dtype = rows.dtype if rows.dtype in (torch.float16, torch.bfloat16) else torch.float16
     block_size = _check_cache(kv_cache, kv_format, scale_dtype)
     keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * block_size)
