@@ -6,8 +6,9 @@
 //
 // Per tile: S = Q.K^T (576-d) on tensor cores -> online softmax in fp32 (log2 domain) -> P (in the
 // input dtype) -> O += P.V with V = the tile's 512 latent columns. Loads run ahead of the math on
-// every arch: a cp.async ring of 2-3 tiles on Sm80+, the next tile staged in registers on Volta
-// and Turing (Volta has no cp.async).
+// every arch: a cp.async ring of 2-3 tiles where shared memory allows (Sm80 on an A100), else the
+// next tile staged in registers (Volta, which has no cp.async, Turing, and the 99 KB Sm80 GPUs);
+// tile_config.h has the configurations.
 // Reference: python/mla_kv/reference/attention.py (decode, prefill).
 #pragma once
 
