@@ -95,6 +95,20 @@ def test_every_op_is_registered_with_its_mutations():
         assert all(r.alias_info is None for r in schema.returns), f"{name} returns an alias: {schema}"
 
 
+def test_written_optional_tensors_have_no_default():
+    """An optional tensor an op writes (q, workspace) has no default value: torch < 2.13 drops a defaulted
+    argument before its version-counter bump and raises IndexError (pytorch issue 176078); the calls
+    must be the same on every torch."""
+    for name in WRITES:
+        for arg in getattr(OPS, name).default._schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                assert not arg.has_default_value(), f"{name}.{arg.name}"
+    q = torch.randn(1, 1, 2, 576)
+    cache, table, lens = torch.randn(1, 16, 576), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="missing value for argument 'workspace'"):
+        OPS.decode(q, cache, table, lens, SCALE)
+
+
 def test_ops_take_the_functions_leading_arguments():
     """The paged ops' positional arguments start with the Python function's positional ones."""
     functions = {"write_kv": mla_kv.write_kv, "fused_write_kv": mla_kv.fused_write_kv, "decode": mla_kv.decode,
@@ -158,13 +172,13 @@ def test_fused_write_kv_op_matches_the_function():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_decode(dtype):
     q, cache, table, seq_lens = attention_inputs(dtype)
-    opcheck(OPS.decode.default, (q, cache, table, seq_lens, SCALE))
+    opcheck(OPS.decode.default, (q, cache, table, seq_lens, SCALE, None))
     # q strided on B, S_q and H; a workspace and a schedule, which the reference ignores
     wide = torch.randn(3, 2, 6, 640, dtype=dtype)[:, :, 1:5, 32:608]
     workspace = torch.zeros(64, dtype=torch.uint8)
     opcheck(OPS.decode.default, (wide, cache, table, seq_lens, SCALE, workspace),
             dict(num_splits=2, tokens_per_split=16, smem_limits=[100_000, 200_000], tile_loads="cp.async"))
-    out, lse = OPS.decode(q, cache, table, seq_lens, SCALE)
+    out, lse = OPS.decode(q, cache, table, seq_lens, SCALE, None)
     ref_out, ref_lse = mla_kv.decode(q, cache, table, seq_lens, SCALE)
     assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -175,8 +189,8 @@ def test_opcheck_prefill(causal):
     q, cache, table, kv_lens = attention_inputs(torch.float32)
     q = q.reshape(-1, *q.shape[2:])[:5]  # 5 packed tokens
     cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)  # ends at T: no rows left unspecified
-    opcheck(OPS.prefill.default, (q, cache, table, cu, kv_lens, SCALE), dict(causal=causal))
-    out, lse = OPS.prefill(q, cache, table, cu, kv_lens, SCALE, causal=causal)
+    opcheck(OPS.prefill.default, (q, cache, table, cu, kv_lens, SCALE, None), dict(causal=causal))
+    out, lse = OPS.prefill(q, cache, table, cu, kv_lens, SCALE, None, causal=causal)
     ref_out, ref_lse = mla_kv.prefill(q, cache, table, cu, kv_lens, SCALE, causal=causal)
     assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
 
@@ -209,17 +223,17 @@ def test_fakes_give_the_output_shapes_and_dtypes():
         q = torch.empty(3, 2, 16, 576, dtype=torch.bfloat16)
         cache = torch.empty(10, 64, 576, dtype=torch.bfloat16)
         table, lens = torch.empty(3, 4, dtype=torch.int32), torch.empty(3, dtype=torch.int32)
-        out, lse = OPS.decode(q, cache, table, lens, SCALE)
+        out, lse = OPS.decode(q, cache, table, lens, SCALE, None)
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((3, 2, 16, 512), torch.bfloat16, (3, 2, 16),
                                                               torch.float32)
         packed = torch.empty(9, 16, 576, dtype=torch.float64)
         cu = torch.empty(4, dtype=torch.int32)
-        out, lse = OPS.prefill(packed, cache.double(), table, cu, lens, SCALE)
+        out, lse = OPS.prefill(packed, cache.double(), table, cu, lens, SCALE, None)
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((9, 16, 512), torch.float64, (9, 16), torch.float64)
         ptrs = torch.empty(12, dtype=torch.int64)
-        out, lse = OPS.decode_blocks(q, ptrs, cu, 64, 0, lens, SCALE)
+        out, lse = OPS.decode_blocks(q, ptrs, cu, 64, 0, lens, SCALE, None)
         assert out.shape == (3, 2, 16, 512) and lse.shape == (3, 2, 16)
-        out, lse = OPS.prefill_blocks(packed, ptrs, cu, 64, 0, cu, lens, SCALE)
+        out, lse = OPS.prefill_blocks(packed, ptrs, cu, 64, 0, cu, lens, SCALE, None)
         assert out.shape == (9, 16, 512) and lse.dtype == torch.float64
         out, lse = OPS.merge_states(out, lse, out, lse)
         assert out.shape == (9, 16, 512) and lse.shape == (9, 16)
@@ -231,9 +245,9 @@ def test_fakes_check_q():
     with FakeTensorMode():
         cache, lens = torch.empty(10, 64, 576), torch.empty(3, dtype=torch.int32)
         with pytest.raises(ValueError, match="q: expected 4 dims"):
-            OPS.decode(torch.empty(3, 16, 576), cache, torch.empty(3, 4, dtype=torch.int32), lens, SCALE)
+            OPS.decode(torch.empty(3, 16, 576), cache, torch.empty(3, 4, dtype=torch.int32), lens, SCALE, None)
         with pytest.raises(ValueError, match="q: dim 2 must be 576"):
-            OPS.prefill(torch.empty(3, 16, 512), cache, torch.empty(3, 4, dtype=torch.int32), lens, lens, SCALE)
+            OPS.prefill(torch.empty(3, 16, 512), cache, torch.empty(3, 4, dtype=torch.int32), lens, lens, SCALE, None)
 
 
 # ------------------------------------------------------------------ flattened arguments
@@ -267,24 +281,24 @@ def test_schedule_kwargs_flatten_the_schedule():
 def test_schedule_arguments_come_whole():
     q, cache, table, lens = attention_inputs(torch.float32)
     with pytest.raises(ValueError, match="num_splits / tokens_per_split: pass both"):
-        OPS.decode(q, cache, table, lens, SCALE, num_splits=2)
+        OPS.decode(q, cache, table, lens, SCALE, None, num_splits=2)
     with pytest.raises(ValueError, match="smem_limits / tile_loads: belong to a schedule"):
-        OPS.decode(q, cache, table, lens, SCALE, tile_loads="cp.async")
+        OPS.decode(q, cache, table, lens, SCALE, None, tile_loads="cp.async")
     with pytest.raises(ValueError, match=r"smem_limits: expected a GPU class name.* got \(1,\)"):
-        OPS.decode(q, cache, table, lens, SCALE, num_splits=1, tokens_per_split=64, smem_limits=[1])
+        OPS.decode(q, cache, table, lens, SCALE, None, num_splits=1, tokens_per_split=64, smem_limits=[1])
 
 
 def test_op_errors_are_the_functions():
     q, cache, table, lens = attention_inputs(torch.float32)
     with pytest.raises(ValueError, match="softmax_scale: must be > 0"):
-        OPS.decode(q, cache, table, lens, -1.0)
+        OPS.decode(q, cache, table, lens, -1.0, None)
     kv_a, _, _, _, cache, slots, _ = write_inputs(torch.float32)
     slots[0] = cache.shape[0] * cache.shape[1]
     with pytest.raises(ValueError, match="slot_mapping: slot"):
         OPS.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, slots, validate=True)
     with pytest.raises(TypeError, match="cache: dtype torch.float16 differs from the inputs' torch.float32"):
         OPS.decode_blocks(q, torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), 16, 0, lens,
-                          SCALE, dtype=torch.float16)
+                          SCALE, None, dtype=torch.float16)
 
 
 # ------------------------------------------------------------------------ compiled layers
@@ -306,7 +320,7 @@ class DecodeLayer(torch.nn.Module):
         kv_a = self.kv_a_proj(x)
         q = self.q_proj(x).view(tokens, self.heads, 576)
         OPS.fused_write_kv(kv_a, self.kv_norm, EPS, positions, self.cos_sin, kv_cache, slots, q)
-        out, lse = OPS.decode(q.unsqueeze(1), kv_cache, block_table, seq_lens, SCALE)
+        out, lse = OPS.decode(q.unsqueeze(1), kv_cache, block_table, seq_lens, SCALE, None)
         return self.o_proj(out.reshape(tokens, -1)), out, lse, q
 
 
@@ -368,8 +382,8 @@ class PrefillLayer(torch.nn.Module):
         kv_c = reference.rms_norm(kv_a[:, :512], self.kv_norm, EPS)
         OPS.write_kv(kv_c, kv_a[:, 512:], kv_cache, slots)
         q = self.q_proj(x).view(tokens, self.heads, 576)
-        whole = OPS.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, SCALE)
-        context = OPS.prefill(q, kv_cache, block_table, cu_q_lens, context_lens, SCALE, causal=False)
+        whole = OPS.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, SCALE, None)
+        context = OPS.prefill(q, kv_cache, block_table, cu_q_lens, context_lens, SCALE, None, causal=False)
         rows = kv_cache.new_empty(tokens, 576)
         OPS.gather_kv(kv_cache, block_table, cu_q_lens, rows, context_lens)
         scores = torch.einsum("thd,sd->ths", q.float(), rows.float()) * SCALE
@@ -442,7 +456,7 @@ def test_block_pointer_ops_trace_into_one_graph_and_need_cuda():
     def step(q, kv_a, cache):
         args, kwargs = block_pointer_args(cache), block_pointer_kwargs(cache)
         OPS.fused_write_kv_blocks(kv_a, weight, EPS, positions, cos_sin, *args, cu, hist, q.squeeze(1), **kwargs)
-        attention = OPS.decode_blocks(q, *args, lens, SCALE, **kwargs)
+        attention = OPS.decode_blocks(q, *args, lens, SCALE, None, **kwargs)
         OPS.gather_kv_blocks(*args, torch.tensor([0, 4, 25], dtype=torch.int32), out, **kwargs)
         return attention
 
@@ -459,7 +473,7 @@ def test_block_pointer_ops_trace_into_one_graph_and_need_cuda():
         source = calls[read].kwargs["block_ptrs"]
         assert source.target is operator.getitem and source.args[0] is calls["fused_write_kv_blocks"], read
     for op, args in ((OPS.write_kv_blocks, (kv_a[:, :512], kv_a[:, 512:], *block_pointer_args(cache), cu, hist)),
-                     (OPS.prefill_blocks, (q.squeeze(1), *block_pointer_args(cache), cu, lens, SCALE))):
+                     (OPS.prefill_blocks, (q.squeeze(1), *block_pointer_args(cache), cu, lens, SCALE, None))):
         with pytest.raises(ValueError, match="CUDA tensors only"):
             op(*args, **block_pointer_kwargs(cache))
 
@@ -507,13 +521,13 @@ def test_gpu_opcheck_paged_ops(dtype):
     opcheck(OPS.write_kv.default, (kv_a[:, :512], kv_a[:, 512:], cache, slots))
     opcheck(OPS.fused_write_kv.default, (kv_a, weight, EPS, positions, cos_sin, cache, slots, q[:, :, 384:]))
     q4 = q.unsqueeze(1)
-    opcheck(OPS.decode.default, (q4, cache, table, seq_lens, SCALE))
+    opcheck(OPS.decode.default, (q4, cache, table, seq_lens, SCALE, None))
     schedule = mla_kv.attention_schedule(q4.shape[0], 1, q4.shape[2], table.shape[1] * cache.shape[1])
     workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
     opcheck(OPS.decode.default, (q4, cache, table, seq_lens, SCALE, workspace), schedule_kwargs(schedule))
     cu = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device="cuda")
-    opcheck(OPS.prefill.default, (q, cache, table, cu, seq_lens, SCALE))
-    out, lse = OPS.decode(q4, cache, table, seq_lens, SCALE)
+    opcheck(OPS.prefill.default, (q, cache, table, cu, seq_lens, SCALE, None))
+    out, lse = OPS.decode(q4, cache, table, seq_lens, SCALE, None)
     opcheck(OPS.merge_states.default, (out, lse, out.flip(0), lse.flip(0)))
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])
     rows = torch.zeros(int(gather_cu[-1]) + 3, 576, dtype=dtype, device="cuda")
@@ -531,13 +545,13 @@ def test_gpu_opcheck_block_pointer_ops(rope_first):
     hist = positions.int()
     opcheck(OPS.write_kv_blocks.default, (kv_a[:, :512], kv_a[:, 512:], *args, cu, hist), kwargs)
     opcheck(OPS.fused_write_kv_blocks.default, (kv_a, weight, EPS, positions, cos_sin, *args, cu, hist, q), kwargs)
-    opcheck(OPS.decode_blocks.default, (q.unsqueeze(1), *args, seq_lens, SCALE), kwargs)
-    opcheck(OPS.prefill_blocks.default, (q, *args, cu, seq_lens, SCALE), dict(kwargs, causal=False))
+    opcheck(OPS.decode_blocks.default, (q.unsqueeze(1), *args, seq_lens, SCALE, None), kwargs)
+    opcheck(OPS.prefill_blocks.default, (q, *args, cu, seq_lens, SCALE, None), dict(kwargs, causal=False))
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])
     rows = torch.zeros(int(gather_cu[-1]), 576, dtype=dtype, device="cuda")
     opcheck(OPS.gather_kv_blocks.default, (*args, gather_cu, rows), kwargs)
     # the ops are the functions
-    out, lse = OPS.decode_blocks(q.unsqueeze(1), *args, seq_lens, SCALE, **kwargs)
+    out, lse = OPS.decode_blocks(q.unsqueeze(1), *args, seq_lens, SCALE, None, **kwargs)
     ref = reference.decode(q.unsqueeze(1).double(), latent_first_layer(pool).double(), table, seq_lens, SCALE)
     check_attention(out, lse, *ref, f"decode_blocks rope_first={rope_first}")
     OPS.gather_kv_blocks(*args, gather_cu, rows, **kwargs)

@@ -11,12 +11,17 @@ mutation annotations for what the op writes, so a model calling them compiles wi
 
 The ops take the Python function's leading positional arguments; tensor arguments that the function
 takes by keyword (q, workspace, out, starts) are positional here, after them (a custom op takes
-tensors positionally), and the other keywords stay keywords. Schemas (``(a!)``: written in place)::
+tensors positionally), and the other keywords stay keywords. The optional tensors an op writes (q of
+the fused writes, workspace of the attention ops) have no default: pass None for "none". Torch before
+2.13 cannot call an op that omits such an argument, nor one that passes None where None is the default
+(the dispatcher drops it, then the version-counter bump indexes past the arguments: pytorch issue
+176078), so a default would make the same call work on one torch and raise IndexError on another.
+Schemas (``(a!)``: written in place)::
 
     write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *,
              bool validate=False, str? arch=None) -> ()
     fused_write_kv(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
-                   Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q=None, *,
+                   Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q, *,
                    str rope_style="interleaved", bool validate=False, str? arch=None) -> ()
     write_kv_blocks(Tensor kv_c, Tensor k_pe, Tensor(a!) block_ptrs, Tensor cu_block_nums,
                     SymInt block_seq_len, SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, *,
@@ -24,20 +29,20 @@ tensors positionally), and the other keywords stay keywords. Schemas (``(a!)``: 
                     bool validate=False, str? arch=None) -> ()
     fused_write_kv_blocks(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
                           Tensor(a!) block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
-                          SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q=None, *,
+                          SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q, *,
                           str rope_style="interleaved", <cache keywords>, bool validate=False, str? arch=None) -> ()
     decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale,
-           Tensor(a!)? workspace=None, *, <schedule keywords>, bool validate=False, str? arch=None)
+           Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None)
            -> (Tensor out, Tensor lse)
     decode_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
-                  SymInt layer_offset_bytes, Tensor seq_lens, float softmax_scale, Tensor(a!)? workspace=None, *,
+                  SymInt layer_offset_bytes, Tensor seq_lens, float softmax_scale, Tensor(a!)? workspace, *,
                   <cache keywords>, <schedule keywords>, bool validate=False, str? arch=None) -> (Tensor, Tensor)
     prefill(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cu_q_lens, Tensor kv_lens,
-            float softmax_scale, Tensor(a!)? workspace=None, *, bool causal=True, <schedule keywords>,
+            float softmax_scale, Tensor(a!)? workspace, *, bool causal=True, <schedule keywords>,
             bool validate=False, str? arch=None) -> (Tensor out, Tensor lse)
     prefill_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
                    SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor kv_lens, float softmax_scale,
-                   Tensor(a!)? workspace=None, *, bool causal=True, <cache keywords>, <schedule keywords>,
+                   Tensor(a!)? workspace, *, bool causal=True, <cache keywords>, <schedule keywords>,
                    bool validate=False, str? arch=None) -> (Tensor, Tensor)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
     gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
@@ -149,7 +154,7 @@ def write_kv(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
 
 
 def fused_write_kv(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
-                   kv_cache: Tensor, slot_mapping: Tensor, q: Optional[Tensor] = None, *,
+                   kv_cache: Tensor, slot_mapping: Tensor, q: Optional[Tensor], *,
                    rope_style: str = "interleaved", validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.fused_write_kv (q positional)."""
     _write.fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping,
@@ -169,7 +174,7 @@ def write_kv_blocks(kv_c: Tensor, k_pe: Tensor, block_ptrs: Tensor, cu_block_num
 
 def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
                           block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int, layer_offset_bytes: int,
-                          cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor] = None, *,
+                          cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor], *,
                           rope_style: str = "interleaved", dtype: Optional[torch.dtype] = None,
                           rope_first: bool = True, row_stride_bytes: Optional[int] = None, validate: bool = False,
                           arch: Optional[str] = None) -> None:
@@ -182,7 +187,7 @@ def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, position
 
 # ------------------------------------------------------------------------------- attention
 def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
-           workspace: Optional[Tensor] = None, *, num_splits: Optional[int] = None,
+           workspace: Optional[Tensor], *, num_splits: Optional[int] = None,
            tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
            tile_loads: str = "auto", validate: bool = False, arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.decode -> (out, lse), with the schedule flattened."""
@@ -193,7 +198,7 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
 
 def decode_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
                   layer_offset_bytes: int, seq_lens: Tensor, softmax_scale: float,
-                  workspace: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None,
+                  workspace: Optional[Tensor], *, dtype: Optional[torch.dtype] = None,
                   rope_first: bool = True, row_stride_bytes: Optional[int] = None, num_splits: Optional[int] = None,
                   tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
                   tile_loads: str = "auto", validate: bool = False,
@@ -207,7 +212,7 @@ def decode_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_se
 
 
 def prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor, kv_lens: Tensor,
-            softmax_scale: float, workspace: Optional[Tensor] = None, *, causal: bool = True,
+            softmax_scale: float, workspace: Optional[Tensor], *, causal: bool = True,
             num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
             smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
             arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
@@ -220,7 +225,7 @@ def prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor,
 
 def prefill_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
                    layer_offset_bytes: int, cu_q_lens: Tensor, kv_lens: Tensor, softmax_scale: float,
-                   workspace: Optional[Tensor] = None, *, causal: bool = True, dtype: Optional[torch.dtype] = None,
+                   workspace: Optional[Tensor], *, causal: bool = True, dtype: Optional[torch.dtype] = None,
                    rope_first: bool = True, row_stride_bytes: Optional[int] = None,
                    num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
                    smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
