@@ -79,7 +79,9 @@ def calls() -> List[Tuple[str, object]]:
                     (f"write_kv_blocks/{a}/{dt}", replace(blocks_write, arch=arch, dtype=dt)),
                     (f"fused_write_kv_blocks/{a}/{dt}", replace(blocks_write, fused=True, arch=arch, dtype=dt,
                                                                 rope=rope, rope_first=dt != "float32"))]
-        out += [(f"write_kv/{a}/float16/2-element", replace(write, arch=arch, input_pad=2, input_offset=2)),
+        out += [(f"fused_write_kv_blocks/{a}/float16/readonly-cp2", replace(blocks_write, fused=True, arch=arch,
+                                                                          rope=rope, readonly=[1, 30, 0], cp=(2, 1))),
+                (f"write_kv/{a}/float16/2-element", replace(write, arch=arch, input_pad=2, input_offset=2)),
                 (f"fused_write_kv/{a}/float16/2-element-neox-cos16",
                  replace(write, fused=True, arch=arch, input_pad=2, input_offset=2,
                          rope=replace(rope, style="neox", cos_sin_fp32=False, q_pad=(0, 1, 2))))]

@@ -507,6 +507,8 @@ class BlockWriteCase:
     input_pad: int = 0
     input_offset: int = 0
     positions_from_history: bool = True  # RoPE positions = cache positions, else random
+    readonly: Optional[List[int]] = None  # readonly_lens: per sequence, local rows never written
+    cp: Tuple[int, int] = (1, 0)          # (cp_size, cp_rank) of the write
     rope: RopeSpec = field(default_factory=RopeSpec)
     validate: bool = False
     expect_error: Optional[str] = None
@@ -645,18 +647,24 @@ def run_write_blocks(case: BlockWriteCase, device, seed: int) -> Outcome:
     if case.positions_from_history:
         positions[:packed] = cache_positions.clamp_max(case.rope.max_position - 1).to(device)
     inputs = _WriteInputs(case, rows, dtype, device, gen, can, positions)
+    readonly = None
+    if case.readonly is not None:
+        readonly = can.tensor((batch,), torch.int32)
+        readonly.copy_(torch.tensor(case.readonly, dtype=torch.int32))
+    targets = dict(readonly_lens=readonly, cp_size=case.cp[0], cp_rank=case.cp[1], validate=case.validate,
+                   arch=case.arch)
     before = storage.clone()
     if case.fused:
         call = lambda: mla_kv.fused_write_kv_blocks(*inputs.fused_args(), inputs.cos_sin, cache, cu_q,  # noqa: E731
-                                                    history, rope_style=case.rope.style, q=inputs.q,
-                                                    validate=case.validate, arch=case.arch)
+                                                    history, rope_style=case.rope.style, q=inputs.q, **targets)
     else:
         call = lambda: mla_kv.write_kv_blocks(inputs.kv_c, inputs.k_pe, cache, cu_q, history,  # noqa: E731
-                                              validate=case.validate, arch=case.arch)
+                                              **targets)
     _, failed = _call(call, case.expect_error, can)
     if failed:
         return failed
-    slots = block_slots(cu_q, history, cu_blocks, ids, bs).to(device)
+    slots = block_slots(cu_q, history, cu_blocks, ids, bs, readonly_lens=readonly, cp_size=case.cp[0],
+                        cp_rank=case.cp[1]).to(device)
     to_pool_order = to_rope_first if case.rope_first else torch.clone
     to_reference_order = to_latent_first if case.rope_first else torch.clone
     layer_before = before[:, case.layer]

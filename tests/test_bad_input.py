@@ -131,6 +131,30 @@ def test_eps_must_be_a_finite_real_at_least_0(eps, error, blocks):
         _fused_write(eps, blocks=blocks)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["write", "fused"])
+@pytest.mark.parametrize("targets, error, name", [
+    (dict(readonly_lens=torch.zeros(1, dtype=torch.int64)), TypeError, "readonly_lens"),
+    (dict(readonly_lens=torch.zeros(2, dtype=torch.int32)), ValueError, "readonly_lens"),
+    (dict(readonly_lens=torch.zeros(1, 1, dtype=torch.int32)), ValueError, "readonly_lens"),
+    (dict(cp_size=0), ValueError, "cp_size"), (dict(cp_size=2.0), TypeError, "cp_size"),
+    (dict(cp_size=2, cp_rank=2), ValueError, "cp_rank"), (dict(cp_rank=-1), ValueError, "cp_rank"),
+    (dict(cp_size=True), TypeError, "cp_size"),
+], ids=short)
+def test_block_write_targets_are_checked(fused, targets, error, name):
+    """readonly_lens (int32 [B]) and cp_size / cp_rank are checked before anything else runs (the
+    block-pointer writes then refuse CPU tensors)."""
+    pool = BlockPool(2, 1, 16, torch.float32)
+    cache = pool.cache(0, torch.tensor([1]), torch.tensor([0, 1]))
+    cu_q, hist = torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    kv_a = torch.randn(3, ROW)
+    with pytest.raises(error, match=name):
+        if fused:
+            mla_kv.fused_write_kv_blocks(kv_a, torch.ones(LAT), 1e-6, torch.arange(3), rope.cos_sin_cache(64, 16, 1e4),
+                                         cache, cu_q, hist, **targets)
+        else:
+            mla_kv.write_kv_blocks(kv_a[:, :LAT], kv_a[:, LAT:], cache, cu_q, hist, **targets)
+
+
 def test_prefill_causal_must_be_a_bool():
     cache, table, lens = _attention_inputs()
     with pytest.raises(TypeError, match="causal"):

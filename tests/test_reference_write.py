@@ -180,6 +180,20 @@ def test_block_slots_two_sequences_shuffled_blocks():
     assert slots.tolist() == [5 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 7 * 4 + 0, 7 * 4 + 1, 2, 3, -1]
 
 
+def test_block_slots_skip_readonly_rows_and_other_ranks():
+    """block_seq_len 4, blocks [5, 2] then [7, 1]. Sequence 0: history 3, 4 new tokens (positions 3..6),
+    read-only rows 0..4: positions 3 and 4 are skipped. Sequence 1 under cp 2, rank 1: positions 1..6
+    (history 1), odd ones are this rank's, at local rows 0, 1, 2; read-only local row 0 is skipped."""
+    slots = layout.block_slots(cu_q_lens=torch.tensor([0, 4]), history_lens=torch.tensor([3]),
+                               cu_block_nums=torch.tensor([0, 2]), block_ids=torch.tensor([5, 2]), block_seq_len=4,
+                               readonly_lens=torch.tensor([5]))
+    assert slots.tolist() == [-1, -1, 2 * 4 + 1, 2 * 4 + 2]
+    slots = layout.block_slots(cu_q_lens=torch.tensor([0, 6]), history_lens=torch.tensor([1]),
+                               cu_block_nums=torch.tensor([0, 2]), block_ids=torch.tensor([7, 1]), block_seq_len=4,
+                               readonly_lens=torch.tensor([1]), cp_size=2, cp_rank=1)
+    assert slots.tolist() == [-1, -1, 7 * 4 + 1, -1, 7 * 4 + 2, -1]
+
+
 def test_block_table_slots_hand_checked():
     table = torch.tensor([[3, 0, 9], [1, 4, 4]], dtype=torch.int32)
     slots = layout.block_table_slots(table, torch.tensor([5, 2]), block_size=2)

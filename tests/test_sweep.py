@@ -262,7 +262,11 @@ def sample_write_blocks(rng: random.Random, fused: bool) -> BlockWriteCase:
         expect = "ValueError: cu_block_nums"
     layout = _input_layout(rng)
     rope.positions_out_of_range = min(rope.positions_out_of_range, sum(n for _, n in spans) + layout["extra_rows"])
-    return BlockWriteCase(fused=fused, arch=arch, dtype=dtype, q_lens=[n for _, n in spans],
+    cp_size = rng.choice((2, 3, 4)) if rng.random() < 0.3 else 1
+    cp = (cp_size, rng.randrange(cp_size))
+    # read-only local rows from none to past the last new token (TurboMind's shared prefix blocks)
+    readonly = [rng.randint(0, (h + n) // cp_size + 1) for h, n in spans] if rng.random() < 0.3 else None
+    return BlockWriteCase(fused=fused, arch=arch, dtype=dtype, q_lens=[n for _, n in spans], readonly=readonly, cp=cp,
                           history=[h for h, _ in spans], extra_blocks=extra, block_size=block_size, layers=layers,
                           layer=rng.randrange(layers), rope_first=rng.random() < 0.7, spare_blocks=rng.randint(0, 4),
                           layer_pad=_pad(rng, (1, 5)), positions_from_history=rng.random() < 0.8, rope=rope,

@@ -545,6 +545,11 @@ def test_gpu_opcheck_block_pointer_ops(rope_first):
     hist = positions.int()
     opcheck(OPS.write_kv_blocks.default, (kv_a[:, :512], kv_a[:, 512:], *args, cu, hist), kwargs)
     opcheck(OPS.fused_write_kv_blocks.default, (kv_a, weight, EPS, positions, cos_sin, *args, cu, hist, q), kwargs)
+    readonly = (hist // 2).contiguous()
+    opcheck(OPS.write_kv_blocks.default, (kv_a[:, :512], kv_a[:, 512:], *args, cu, hist, readonly),
+            dict(kwargs, cp_size=2, cp_rank=1))
+    opcheck(OPS.fused_write_kv_blocks.default, (kv_a, weight, EPS, positions, cos_sin, *args, cu, hist, q, readonly),
+            dict(kwargs, cp_size=3, cp_rank=2))
     opcheck(OPS.decode_blocks.default, (q.unsqueeze(1), *args, seq_lens, SCALE, None), kwargs)
     opcheck(OPS.prefill_blocks.default, (q, *args, cu, seq_lens, SCALE, None), dict(kwargs, causal=False))
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])

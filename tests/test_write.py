@@ -243,6 +243,81 @@ def test_fused_write_kv_blocks(dtype, rope_first, block_seq_len, arch):
     assert_close_rows(q[:total, :, -64:], q_ref, dtype, "q_pe")
 
 
+# (cp_size, cp_rank) of the block-write addressing tests: no context parallelism, and ranks of 2 and 3
+CP_RANKS = [(1, 0), (2, 1), (3, 0), (3, 2)]
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("cp_size,cp_rank", CP_RANKS)
+def test_block_writes_keep_readonly_rows_and_other_ranks_tokens(dtype, fused, cp_size, cp_rank, arch):
+    """TurboMind's protocol: rows below readonly_lens[b] (shared prefix blocks) are never written, and
+    under context parallelism a rank writes only the positions p with p % cp_size == cp_rank, at local
+    row p // cp_size. Sequences: new tokens all past the read-only rows; a recomputed last cached token
+    (history one below the read-only length: its row is skipped, the rest written); new tokens all
+    inside read-only rows (nothing written); no read-only rows. Two of them share their read-only
+    blocks, as a prefix cache shares them. Every written row equals the reference at the slot
+    layout.block_slots gives; every other byte of the pool (other layers, shared blocks, other ranks'
+    rows) keeps its value; q is rotated for every token, skipped or not."""
+    gen = torch.Generator().manual_seed(53 + 7 * cp_size + cp_rank + fused)
+    bsl = 16
+    q_lens = [20, 9, 3, 33]
+    readonly = [2 * bsl, 2 * bsl, 3 * bsl, 0]          # local rows (TurboMind: readonly blocks x block_len)
+    hist = [cp_size * readonly[0], cp_size * readonly[1] - 1, 0, 5]   # global positions
+    local_need = [-(-((h + n + cp_size - 1 - cp_rank) // cp_size) // bsl) for h, n in zip(hist, q_lens)]
+    counts = [max(c, -(-r // bsl)) for c, r in zip(local_need, readonly)]
+    num_blocks = sum(counts) + 4
+    ids = torch.randperm(num_blocks, generator=gen)[:sum(counts)]
+    ids[counts[0]:counts[0] + 2] = ids[:2]             # sequence 1 shares sequence 0's read-only blocks
+    cu_blocks = torch.tensor([0] + counts).cumsum(0).int()
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+    hist_t, readonly_t = torch.tensor(hist, dtype=torch.int32), torch.tensor(readonly, dtype=torch.int32)
+    total = int(cu_q[-1])
+    pool = BlockPool(num_blocks, 3, bsl, dtype, "cuda")
+    pool.storage.copy_(poison_like(pool.storage, gen))
+    before = pool.storage.clone()
+    kv_a, q, _, weight = make_inputs(total + 2, dtype, "cuda", gen, row_stride=640)
+    positions = torch.cat([torch.arange(h, h + n) for h, n in zip(hist, q_lens)] + [torch.zeros(2, dtype=torch.long)])
+    positions = positions.cuda()
+    cs = cos_sin_cache(64, 4096, 1e4, device="cuda")
+    cache = pool.cache(1, ids, cu_blocks)
+    q_before = q.clone()
+    targets = dict(readonly_lens=readonly_t.cuda(), cp_size=cp_size, cp_rank=cp_rank, arch=arch, validate=True)
+    if fused:
+        mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-6, positions, cs, cache, cu_q.cuda(), hist_t.cuda(), q=q,
+                                     **targets)
+    else:
+        mla_kv.write_kv_blocks(kv_a[:, :512], kv_a[:, 512:], cache, cu_q.cuda(), hist_t.cuda(), **targets)
+    slots = block_slots(cu_q, hist_t, cu_blocks, ids, bsl, readonly_lens=readonly_t, cp_size=cp_size,
+                        cp_rank=cp_rank)
+    # what the cases promise, whatever block_slots says: sequence 2 writes nothing, sequence 1 skips its
+    # first token, the others write exactly their rank's tokens
+    owned = (positions[:total].cpu() % cp_size == cp_rank)
+    per_seq = [slots[int(cu_q[b]):int(cu_q[b + 1])] >= 0 for b in range(4)]
+    assert not per_seq[2].any()
+    assert not per_seq[1][0] and torch.equal(per_seq[1][1:], owned[int(cu_q[1]) + 1:int(cu_q[2])])
+    for b in (0, 3):
+        assert torch.equal(per_seq[b], owned[int(cu_q[b]):int(cu_q[b + 1])]), f"sequence {b}"
+    slots = slots.cuda()
+    layer_before = before[:, 1]
+    if fused:
+        want = fused_reference_layer(layer_before, True, kv_a, weight, 1e-6, positions, cs, slots)
+    else:
+        want = to_latent_first(layer_before).double()
+        reference.write_kv(kv_a[:, :512].double(), kv_a[:, 512:].double(), want, slots)
+        want = to_rope_first(want)
+    written = slot_mask(slots, num_blocks, bsl)
+    got = pool.storage[:, 1]
+    for layer in (0, 2):
+        assert torch.equal(pool.storage[:, layer], before[:, layer]), f"layer {layer} touched"
+    assert torch.equal(got[~written], layer_before[~written]), "a read-only, other rank's or unused row changed"
+    assert_close_rows(got[written], want[written], dtype, "block rows")
+    if fused:
+        q_ref = reference.apply_rope(q_before[:, :, -64:].double(), positions, cs.double())
+        assert_close_rows(q[:, :, -64:], q_ref, dtype, "q_pe (every token, skipped ones too)")
+
+
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True])

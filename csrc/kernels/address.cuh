@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "mla_kv/layout.h"
+#include "mla_kv/write.h"
 
 namespace mla_kv {
 
@@ -47,18 +48,20 @@ struct PagedSlotRows {
 // Writes new tokens of packed sequences behind TurboMind-style block pointers.
 struct BlockPointerRows {
   BlockPointerCache cache;
-  const int* cu_q_lens;     // [batch + 1]
-  const int* history_lens;  // [batch]
+  BlockWriteTargets to;
 
   __device__ __forceinline__ char* row(int64_t t) const {
-    if (t >= cu_q_lens[cache.batch]) return nullptr;
-    const int lo = sequence_of(cu_q_lens, cache.batch, t);
-    const int64_t pos = history_lens[lo] + (t - cu_q_lens[lo]);
-    const int64_t block = pos / cache.block_seq_len;
-    const int first = cache.cu_block_nums[lo];
-    if (pos < 0 || block >= cache.cu_block_nums[lo + 1] - first) return nullptr;
+    if (t >= to.cu_q_lens[cache.batch]) return nullptr;
+    const int b = sequence_of(to.cu_q_lens, cache.batch, t);
+    const int64_t pos = to.history_lens[b] + (t - to.cu_q_lens[b]);
+    if (pos < 0 || pos % to.cp_size != to.cp_rank) return nullptr;
+    const int64_t local = pos / to.cp_size;
+    if (to.readonly_lens != nullptr && local < to.readonly_lens[b]) return nullptr;
+    const int64_t block = local / cache.block_seq_len;
+    const int first = cache.cu_block_nums[b];
+    if (block >= cache.cu_block_nums[b + 1] - first) return nullptr;
     return static_cast<char*>(cache.block_ptrs[first + block]) + cache.layer_offset_bytes +
-           (pos - block * cache.block_seq_len) * cache.row.row_stride_bytes;
+           (local - block * cache.block_seq_len) * cache.row.row_stride_bytes;
   }
 };
 

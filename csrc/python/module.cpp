@@ -122,12 +122,17 @@ PYBIND11_MODULE(_C, m) {
           check(invokeWriteKvPaged(p, cache, as_ptr<const int64_t>(slot_mapping), arch, as_stream(stream)),
                 "write_kv");
         });
+  py::class_<BlockWriteTargets>(m, "BlockWriteTargets")
+      .def(py::init([]() { return BlockWriteTargets{}; }))
+      .PTR_PROPERTY(BlockWriteTargets, cu_q_lens)
+      .PTR_PROPERTY(BlockWriteTargets, history_lens)
+      .PTR_PROPERTY(BlockWriteTargets, readonly_lens)
+      .def_readwrite("cp_size", &BlockWriteTargets::cp_size)
+      .def_readwrite("cp_rank", &BlockWriteTargets::cp_rank);
   m.def("write_kv_blocks",
-        [](const WriteKvParams& p, const BlockPointerCache& cache, uintptr_t cu_q_lens,
-           uintptr_t history_lens, Arch arch, uintptr_t stream) {
-          check(invokeWriteKvBlocks(p, cache, as_ptr<const int>(cu_q_lens), as_ptr<const int>(history_lens),
-                                    arch, as_stream(stream)),
-                "write_kv_blocks");
+        [](const WriteKvParams& p, const BlockPointerCache& cache, const BlockWriteTargets& targets, Arch arch,
+           uintptr_t stream) {
+          check(invokeWriteKvBlocks(p, cache, targets, arch, as_stream(stream)), "write_kv_blocks");
         });
 
   py::class_<AttentionParams>(m, "AttentionParams")

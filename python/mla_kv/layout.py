@@ -161,23 +161,30 @@ def to_rope_first(rows: torch.Tensor) -> torch.Tensor:
 
 
 def block_slots(cu_q_lens: torch.Tensor, history_lens: torch.Tensor, cu_block_nums: torch.Tensor,
-                block_ids: torch.Tensor, block_seq_len: int) -> torch.Tensor:
+                block_ids: torch.Tensor, block_seq_len: int, *, readonly_lens: Optional[torch.Tensor] = None,
+                cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """Slot mapping (into a pool layer view) of the packed new tokens of a block-pointer batch.
 
-    Token i of sequence b sits at position history_lens[b] + i, in block
-    block_ids[cu_block_nums[b] + position // block_seq_len]. Negative positions and positions past
-    a sequence's blocks map to -1 (the kernels skip them). Runs on the host; for references and validation.
+    Token i of sequence b sits at global position p = history_lens[b] + i; under context parallelism
+    (cp_size > 1) it belongs to rank p % cp_size, at local row p // cp_size of that rank's blocks
+    block_ids[cu_block_nums[b]:cu_block_nums[b + 1]]. Slot -1 (skipped by the kernels): negative
+    positions, other ranks' positions, local rows below readonly_lens[b] (read-only prefix blocks) and
+    rows past a sequence's blocks. Runs on the host; for references and validation.
     """
     cu_q, hist = cu_q_lens.cpu().long(), history_lens.cpu().long()
     cu_b, ids = cu_block_nums.cpu().long(), block_ids.cpu().long()
+    readonly = None if readonly_lens is None else readonly_lens.cpu().long()
     slots = []
     for b in range(cu_q.shape[0] - 1):
         pos = hist[b] + torch.arange(int(cu_q[b + 1] - cu_q[b]))
-        blk = pos // block_seq_len
+        local = pos.div(cp_size, rounding_mode="floor")
+        blk = local // block_seq_len
         nblocks = int(cu_b[b + 1] - cu_b[b])
-        ok = (pos >= 0) & (blk < nblocks)
+        ok = (pos >= 0) & (pos % cp_size == cp_rank) & (blk < nblocks)
+        if readonly is not None:
+            ok &= local >= readonly[b]
         s = torch.full_like(pos, -1)
-        s[ok] = ids[cu_b[b] + blk[ok]] * block_seq_len + pos[ok] % block_seq_len
+        s[ok] = ids[cu_b[b] + blk[ok]] * block_seq_len + local[ok] % block_seq_len
         slots.append(s)
     return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
 

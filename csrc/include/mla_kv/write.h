@@ -51,11 +51,24 @@ struct WriteKvParams {
 Status invokeWriteKvPaged(const WriteKvParams& params, const PagedCache& cache,
                           const int64_t* slot_mapping, Arch arch, cudaStream_t stream);
 
-// TurboMind-style addressing: the tokens are packed by sequence (cu_q_lens [batch + 1]); token i of
-// sequence b lands at position history_lens[b] + i. Tokens past cu_q_lens[batch] and positions
-// beyond the sequence's blocks are skipped.
+// Where the packed new tokens of a block-pointer batch go: TurboMind's addressing (ProcessKV_v2).
+struct BlockWriteTargets {
+  const int* cu_q_lens;     // [batch + 1]: token i of sequence b is input row cu_q_lens[b] + i
+  const int* history_lens;  // [batch]: its global position is history_lens[b] + i
+  // Optional [batch]: this rank's rows below readonly_lens[b] are never written. They are blocks
+  // shared through a prefix cache (TurboMind: readonly_block_num[b] * block_len rows).
+  const int* readonly_lens = nullptr;
+  // Context parallelism: global position p lives on rank p % cp_size at local row p / cp_size of
+  // that rank's blocks; a launch writes only the tokens of its own rank.
+  int cp_size = 1;
+  int cp_rank = 0;
+};
+
+// TurboMind-style addressing: a token lands at local row (history_lens[b] + i) / cp_size of
+// sequence b's blocks if its position belongs to cp_rank. Tokens past cu_q_lens[batch], other
+// ranks' positions, read-only rows and rows beyond the sequence's blocks are skipped.
+// kInvalidArgument: cp_size < 1 or cp_rank outside [0, cp_size).
 Status invokeWriteKvBlocks(const WriteKvParams& params, const BlockPointerCache& cache,
-                           const int* cu_q_lens, const int* history_lens, Arch arch,
-                           cudaStream_t stream);
+                           const BlockWriteTargets& targets, Arch arch, cudaStream_t stream);
 
 }  // namespace mla_kv

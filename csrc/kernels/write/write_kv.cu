@@ -57,11 +57,12 @@ Status invokeWriteKvPaged(const WriteKvParams& params, const PagedCache& cache,
 }
 
 Status invokeWriteKvBlocks(const WriteKvParams& params, const BlockPointerCache& cache,
-                           const int* cu_q_lens, const int* history_lens, Arch arch,
-                           cudaStream_t stream) {
+                           const BlockWriteTargets& targets, Arch arch, cudaStream_t stream) {
+  if (targets.cp_size < 1 || targets.cp_rank < 0 || targets.cp_rank >= targets.cp_size)
+    return Status::kInvalidArgument;
   // Block base pointers live on the device; they must be 16-byte aligned (allocators give 256).
   const int64_t access = access_bytes(params, cache.row, nullptr, cache.layer_offset_bytes);
-  return dispatch(params, BlockPointerRows{cache, cu_q_lens, history_lens}, access, arch, stream);
+  return dispatch(params, BlockPointerRows{cache, targets}, access, arch, stream);
 }
 
 }  // namespace mla_kv

@@ -10,7 +10,7 @@ mutation annotations for what the op writes, so a model calling them compiles wi
 (``fullgraph=True``) and the compiled graph can be captured in a CUDA graph.
 
 The ops take the Python function's leading positional arguments; tensor arguments that the function
-takes by keyword (q, workspace, out, starts) are positional here, after them (a custom op takes
+takes by keyword (q, readonly_lens, workspace, out, starts) are positional here, after them (a custom op takes
 tensors positionally), and the other keywords stay keywords. The optional tensors an op writes (q of
 the fused writes, workspace of the attention ops) have no default: pass None for "none". Torch before
 2.13 cannot call an op that omits such an argument, nor one that passes None where None is the default
@@ -24,13 +24,14 @@ Schemas (``(a!)``: written in place)::
                    Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q, *,
                    str rope_style="interleaved", bool validate=False, str? arch=None) -> ()
     write_kv_blocks(Tensor kv_c, Tensor k_pe, Tensor(a!) block_ptrs, Tensor cu_block_nums,
-                    SymInt block_seq_len, SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, *,
-                    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None,
+                    SymInt block_seq_len, SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens,
+                    Tensor? readonly_lens=None, *, <cache keywords>, SymInt cp_size=1, SymInt cp_rank=0,
                     bool validate=False, str? arch=None) -> ()
     fused_write_kv_blocks(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
                           Tensor(a!) block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
-                          SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q, *,
-                          str rope_style="interleaved", <cache keywords>, bool validate=False, str? arch=None) -> ()
+                          SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q,
+                          Tensor? readonly_lens=None, *, str rope_style="interleaved", <cache keywords>,
+                          SymInt cp_size=1, SymInt cp_rank=0, bool validate=False, str? arch=None) -> ()
     decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale,
            Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None)
            -> (Tensor out, Tensor lse)
@@ -162,27 +163,30 @@ def fused_write_kv(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tens
 
 
 def write_kv_blocks(kv_c: Tensor, k_pe: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
-                    layer_offset_bytes: int, cu_q_lens: Tensor, history_lens: Tensor, *,
-                    dtype: Optional[torch.dtype] = None, rope_first: bool = True,
-                    row_stride_bytes: Optional[int] = None, validate: bool = False,
-                    arch: Optional[str] = None) -> None:
-    """mla_kv.write_kv_blocks with the cache flattened."""
+                    layer_offset_bytes: int, cu_q_lens: Tensor, history_lens: Tensor,
+                    readonly_lens: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None,
+                    rope_first: bool = True, row_stride_bytes: Optional[int] = None, cp_size: int = 1,
+                    cp_rank: int = 0, validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.write_kv_blocks with the cache flattened (readonly_lens positional)."""
     cache = _cache(kv_c, "kv_c", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
                    row_stride_bytes)
-    _write.write_kv_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, validate=validate, arch=arch)
+    _write.write_kv_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, readonly_lens=readonly_lens,
+                           cp_size=cp_size, cp_rank=cp_rank, validate=validate, arch=arch)
 
 
 def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
                           block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int, layer_offset_bytes: int,
-                          cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor], *,
-                          rope_style: str = "interleaved", dtype: Optional[torch.dtype] = None,
-                          rope_first: bool = True, row_stride_bytes: Optional[int] = None, validate: bool = False,
-                          arch: Optional[str] = None) -> None:
-    """mla_kv.fused_write_kv_blocks with the cache flattened (q positional)."""
+                          cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor],
+                          readonly_lens: Optional[Tensor] = None, *, rope_style: str = "interleaved",
+                          dtype: Optional[torch.dtype] = None, rope_first: bool = True,
+                          row_stride_bytes: Optional[int] = None, cp_size: int = 1, cp_rank: int = 0,
+                          validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.fused_write_kv_blocks with the cache flattened (q and readonly_lens positional)."""
     cache = _cache(kv_a, "kv_a", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
                    row_stride_bytes)
     _write.fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache, cache, cu_q_lens, history_lens,
-                                 rope_style=rope_style, q=q, validate=validate, arch=arch)
+                                 rope_style=rope_style, q=q, readonly_lens=readonly_lens, cp_size=cp_size,
+                                 cp_rank=cp_rank, validate=validate, arch=arch)
 
 
 # ------------------------------------------------------------------------------- attention

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._checks import real
+from .._checks import integer, real
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
 from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_paged_cache,
                       _kernel_arch, _paged_cache, _same_device, _size, _stream, _tensor)
@@ -156,16 +156,35 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
 
 
 # --------------------------------------------------------------------------- block pointers
-def _check_blocks(cache, cu_q_lens, history_lens, dtype) -> None:
+@dataclass(frozen=True)
+class BlockWriteTargets:
+    """Where a block-pointer write puts the packed new tokens, as checked by _check_blocks."""
+
+    cu_q_lens: torch.Tensor
+    history_lens: torch.Tensor
+    readonly_lens: Optional[torch.Tensor]
+    cp_size: int
+    cp_rank: int
+
+
+def _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, dtype) -> BlockWriteTargets:
     _check_block_pointer_cache(cache, dtype)
     _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
     _size("cu_q_lens", cu_q_lens, 0, cache.batch + 1)
     _size("history_lens", history_lens, 0, cache.batch)
+    if readonly_lens is not None:
+        _tensor("readonly_lens", readonly_lens, dims=1, dtype=torch.int32, contiguous=True)
+        _size("readonly_lens", readonly_lens, 0, cache.batch)
+    cp_size = integer("cp_size", cp_size, 1)
+    cp_rank = integer("cp_rank", cp_rank, 0)
+    if cp_rank >= cp_size:
+        raise ValueError(f"cp_rank: must lie in [0, cp_size = {cp_size}), got {cp_rank}")
+    return BlockWriteTargets(cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank)
 
 
-def _validate_blocks(cache, cu_q_lens, history_lens, num_rows) -> None:
-    cu_q, hist = cu_q_lens.cpu().long(), history_lens.cpu().long()
+def _validate_blocks(cache, to: BlockWriteTargets, num_rows) -> None:
+    cu_q, hist = to.cu_q_lens.cpu().long(), to.history_lens.cpu().long()
     cu_b = cache.cu_block_nums.cpu().long()
     q_lens = cu_q[1:] - cu_q[:-1]
     if int(cu_q[0]) != 0 or bool((q_lens < 0).any()):
@@ -174,27 +193,32 @@ def _validate_blocks(cache, cu_q_lens, history_lens, num_rows) -> None:
         raise ValueError(f"cu_q_lens: {int(cu_q[-1])} tokens but the inputs have {num_rows} rows")
     if bool((hist < 0).any()):
         raise ValueError("history_lens: must be >= 0")
-    need = (hist + q_lens + cache.block_seq_len - 1) // cache.block_seq_len
+    if to.readonly_lens is not None and bool((to.readonly_lens < 0).any()):
+        raise ValueError("readonly_lens: must be >= 0")
+    # This rank's rows of positions 0 .. history + q_len - 1 (all of them without context parallelism).
+    local = (hist + q_lens - to.cp_rank + to.cp_size - 1).div(to.cp_size, rounding_mode="floor").clamp_min(0)
+    need = (local + cache.block_seq_len - 1) // cache.block_seq_len
     have = cu_b[1:] - cu_b[:-1]
     short = (need > have).nonzero()
     if short.numel():
         b = int(short[0])
+        rows = "" if to.cp_size == 1 else f" ({int(local[b])} rows on cp rank {to.cp_rank} of {to.cp_size})"
         raise ValueError(f"cache.cu_block_nums: sequence {b} has {int(have[b])} blocks but history "
-                         f"{int(hist[b])} + {int(q_lens[b])} new tokens need {int(need[b])}")
+                         f"{int(hist[b])} + {int(q_lens[b])} new tokens{rows} need {int(need[b])}")
     if int(cu_b[-1]) > cache.block_ptrs.shape[0]:
         raise ValueError(f"cache.cu_block_nums: ends at {int(cu_b[-1])} but block_ptrs has "
                          f"{cache.block_ptrs.shape[0]} entries")
 
 
-def _write_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, fused, validate, arch) -> None:
+def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arch) -> None:
     device = _same_device(kv_c=kv_c, k_pe=k_pe, block_ptrs=cache.block_ptrs,
-                          cu_block_nums=cache.cu_block_nums, cu_q_lens=cu_q_lens,
-                          history_lens=history_lens)
+                          cu_block_nums=cache.cu_block_nums, cu_q_lens=to.cu_q_lens,
+                          history_lens=to.history_lens, readonly_lens=to.readonly_lens)
     if device.type != "cuda":
         raise ValueError("cache: block-pointer ops run on CUDA tensors only; on the CPU use "
                          "mla_kv.reference with a layout.BlockPool layer view")
     if validate:
-        _validate_blocks(cache, cu_q_lens, history_lens, kv_c.shape[0])
+        _validate_blocks(cache, to, kv_c.shape[0])
         if fused is not None:
             _validate_positions(fused.positions, kv_c.shape[0], fused.cos_sin_cache)
     tag = _kernel_arch(device, kv_c.dtype, arch)
@@ -202,41 +226,54 @@ def _write_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, fused, validate, a
         _aligned(name, t, 2)
     if fused is not None and fused.q is not None:
         _aligned("q", fused.q, 2)
+    targets = _C.BlockWriteTargets()
+    targets.cu_q_lens, targets.history_lens = to.cu_q_lens.data_ptr(), to.history_lens.data_ptr()
+    targets.readonly_lens = 0 if to.readonly_lens is None else to.readonly_lens.data_ptr()
+    targets.cp_size, targets.cp_rank = to.cp_size, to.cp_rank
     with torch.cuda.device(device):
-        _C.write_kv_blocks(_params(kv_c, k_pe, kv_c.shape[0], fused), _blocks_cache(cache),
-                           cu_q_lens.data_ptr(), history_lens.data_ptr(), tag, _stream(device))
+        _C.write_kv_blocks(_params(kv_c, k_pe, kv_c.shape[0], fused), _blocks_cache(cache), targets, tag,
+                           _stream(device))
 
 
 def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerCache,
-                    cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *, validate: bool = False,
-                    arch: Optional[str] = None) -> None:
+                    cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
+                    readonly_lens: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
+                    validate: bool = False, arch: Optional[str] = None) -> None:
     """write_kv over TurboMind-style block pointers (mla_kv.layout.BlockPointerCache).
 
     The input rows are the new tokens packed by sequence: cu_q_lens int32 [B+1]; token i of
     sequence b lands at position history_lens[b] + i (int32 [B]). Tokens past cu_q_lens[B] and
     positions beyond a sequence's blocks are skipped (``validate=True`` raises instead).
+    readonly_lens (int32 [B], optional): rows below readonly_lens[b] are never written, as TurboMind
+    never writes its read-only prefix blocks (readonly_block_num[b] * block_len rows): tokens landing
+    there are skipped, also with ``validate=True`` (TurboMind recomputes a fully cached prompt's last
+    token, whose row is already in the shared block). cp_size / cp_rank (context parallelism): the
+    token at global position p belongs to rank p % cp_size, at local row p // cp_size of this rank's
+    blocks; this rank writes only its own tokens, and readonly_lens counts local rows.
     Reference: mla_kv.reference.write_kv on a layout.BlockPool layer view with layout.block_slots.
     """
     _tensor("kv_c", kv_c, dims=2, last_contiguous=True)
-    _check_blocks(cache, cu_q_lens, history_lens, kv_c.dtype)
+    to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_c.dtype)
     _check_rows(kv_c, k_pe, kv_c.shape[0], cache.dtype)
-    _write_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, None, validate, arch)
+    _write_blocks(kv_c, k_pe, cache, to, None, validate, arch)
 
 
 def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, cache: BlockPointerCache,
                           cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
                           rope_style: str = "interleaved", q: Optional[torch.Tensor] = None,
+                          readonly_lens: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
                           validate: bool = False, arch: Optional[str] = None) -> None:
-    """fused_write_kv over TurboMind-style block pointers; addressing as in write_kv_blocks.
+    """fused_write_kv over TurboMind-style block pointers; addressing (readonly_lens and context
+    parallelism included) as in write_kv_blocks. RoPE rotates by ``positions`` (the global ones).
 
     q's rope part is rotated for every input row whose position lies in the rope table, also for
-    rows past cu_q_lens[B] (a padded batch) and rows whose cache position is skipped."""
+    rows past cu_q_lens[B] (a padded batch) and rows whose cache position is skipped (read-only,
+    another rank's): every rank attends with all queries."""
     _tensor("kv_a", kv_a, dims=2, last_contiguous=True)
-    _check_blocks(cache, cu_q_lens, history_lens, kv_a.dtype)
+    to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_a.dtype)
     eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
                        cache.dtype)
     _same_device(kv_a=kv_a, rms_weight=rms_weight, positions=positions, cos_sin_cache=cos_sin_cache, q=q)
     fused = FusedWriteArgs(rms_weight, eps, positions, cos_sin_cache, rope_style, q)
-    _write_blocks(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], cache, cu_q_lens, history_lens, fused,
-                  validate, arch)
+    _write_blocks(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], cache, to, fused, validate, arch)
