@@ -33,13 +33,15 @@ MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
 FAMILIES = ("write", "gather", "attention", "combine", "merge", "schedule")
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
           "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
-          "pipeline", "TMA", "cp.async", "addressing", "dispatch")
+          "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized")
 
 WRITE_CUH = "csrc/kernels/write/write_kv.cuh"
 ADDRESS_CUH = "csrc/kernels/address.cuh"
 ARCH_CUH = "csrc/kernels/arch/arch.cuh"
 MMA_CUH = "csrc/kernels/arch/mma.cuh"
 WGMMA_CUH = "csrc/kernels/arch/wgmma.cuh"
+FP8_CUH = "csrc/kernels/arch/fp8.cuh"
+DEQUANT_CUH = "csrc/kernels/gather/gather_kv_dequant.cuh"
 GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
 COMMON_CUH = "csrc/kernels/attention/common.cuh"
 MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
@@ -53,6 +55,8 @@ T_GATHER = ("tests/test_gather.py",)
 T_ATTENTION = ("tests/test_attention.py",)
 T_SCORES = ("tests/test_attention_scores.py",)  # built score patterns: jumps, growing logits, sinks
 T_GUARDS = ("tests/test_attention_guards.py",)  # reads past the table, NaN canaries around targets
+T_QUANT_WRITE = ("tests/test_write_quant.py",)
+T_QUANT_GATHER = ("tests/test_gather_quant.py",)
 T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
 # does, only tests that plant such scores (named after score jumps / patterns in the suite).
@@ -105,32 +109,49 @@ MUTATIONS = (
              "arch::store<T, N>(dst_pe + (lane + kPairVecs) * N, pe_a);", T_WRITE,
              "k_pe's second 32 values get a copy of its first 32 (plain and fused writes)"),
     Mutation("write-negative-slot", "write", WRITE_ARCHS, ("paged slots", "guard"), ADDRESS_CUH,
-             "if (slot < 0 || block >= cache.num_blocks) return nullptr;",
-             "if (block >= cache.num_blocks) return nullptr;", T_WRITE + T_SWEEP,
+             "if (slot < 0 || block >= cache.num_blocks) return {nullptr, 0};",
+             "if (block >= cache.num_blocks) return {nullptr, 0};", T_WRITE + T_SWEEP,
              "padded tokens (slot -1) write the row just before the cache (caught by a canary there)",
              focus="range or skip"),
     Mutation("write-slot-past-cache", "write", WRITE_ARCHS, ("paged slots", "guard"), ADDRESS_CUH,
-             "if (slot < 0 || block >= cache.num_blocks) return nullptr;",
-             "if (slot < 0 || block > cache.num_blocks) return nullptr;", T_WRITE + T_SWEEP,
+             "if (slot < 0 || block >= cache.num_blocks) return {nullptr, 0};",
+             "if (slot < 0 || block > cache.num_blocks) return {nullptr, 0};", T_WRITE + T_SWEEP,
              "slots of block num_blocks write past the cache's end (caught by a canary there)",
              focus="range or skip"),
     Mutation("write-token-past-batch", "write", WRITE_ARCHS, ("block pointers", "guard"), ADDRESS_CUH,
-             "if (t >= to.cu_q_lens[cache.batch]) return nullptr;", "if (t > to.cu_q_lens[cache.batch]) return nullptr;",
+             "if (t >= to.cu_q_lens[cache.batch]) return {nullptr, 0};", "if (t > to.cu_q_lens[cache.batch]) return {nullptr, 0};",
              T_WRITE + T_SWEEP, "block pointers: the first token past cu_q_lens[B] is written into the last sequence",
              focus="blocks or block_pointer"),
     Mutation("write-block-list-bound", "write", WRITE_ARCHS, ("block pointers", "guard"), ADDRESS_CUH,
-             "if (block >= cache.cu_block_nums[b + 1] - first) return nullptr;",
-             "if (block > cache.cu_block_nums[b + 1] - first) return nullptr;", T_WRITE + T_SWEEP,
+             "if (block >= cache.cu_block_nums[b + 1] - first) return {nullptr, 0};",
+             "if (block > cache.cu_block_nums[b + 1] - first) return {nullptr, 0};", T_WRITE + T_SWEEP,
              "block pointers: a position one block past a sequence's list writes through the next "
              "sequence's first block", focus="blocks or block_pointer"),
     Mutation("write-readonly-last-row", "write", WRITE_ARCHS, ("block pointers", "guard"), ADDRESS_CUH,
-             "if (to.readonly_lens != nullptr && local < to.readonly_lens[b]) return nullptr;",
-             "if (to.readonly_lens != nullptr && local < to.readonly_lens[b] - 1) return nullptr;", T_WRITE,
+             "if (to.readonly_lens != nullptr && local < to.readonly_lens[b]) return {nullptr, 0};",
+             "if (to.readonly_lens != nullptr && local < to.readonly_lens[b] - 1) return {nullptr, 0};", T_WRITE,
              "block pointers: the last read-only row (a shared prefix block) is overwritten", focus="readonly"),
     Mutation("write-other-cp-rank", "write", WRITE_ARCHS, ("block pointers", "context parallel"), ADDRESS_CUH,
-             "if (pos < 0 || pos % to.cp_size != to.cp_rank) return nullptr;",
-             "if (pos < 0) return nullptr;", T_WRITE,
+             "if (pos < 0 || pos % to.cp_size != to.cp_rank) return {nullptr, 0};",
+             "if (pos < 0) return {nullptr, 0};", T_WRITE,
              "block pointers under context parallelism: every rank writes every token", focus="cp"),
+    Mutation("quant-int4-nibble-order", "write", WRITE_ARCHS, ("quantized", "plain write"), WRITE_CUH,
+             "*reinterpret_cast<uint32_t*>(row + e / 2) = c[0] | c[2] << 4 | c[4] << 8 | c[6] << 12 | c[1] << 16 |",
+             "*reinterpret_cast<uint32_t*>(row + e / 2) = c[0] | c[1] << 4 | c[4] << 8 | c[6] << 12 | c[2] << 16 |",
+             T_QUANT_WRITE, "int4 codes packed in the natural nibble order, not TurboMind's 0,2,4,6,1,3,5,7",
+             focus="int4"),
+    Mutation("quant-ds-mla-tile-scale", "write", WRITE_ARCHS, ("quantized", "plain write"), WRITE_CUH,
+             "const float scale = fmaxf(group_max<16>(amax) / 448.f, kFltMin);",
+             "const float scale = fmaxf(group_max<8>(amax) / 448.f, kFltMin);", T_QUANT_WRITE,
+             "fp8_ds_mla: each tile's scale from the amax of 64 of its 128 values", focus="ds_mla"),
+    Mutation("quant-e4m3-ties-up", "write", ("Sm70", "Sm75"), ("quantized", "rope"), FP8_CUH,
+             "const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;",
+             "const uint32_t rounded = (mag + 0x80000u) >> 20;", T_QUANT_WRITE,
+             "the integer e4m3 encoder rounds ties away from zero, not to even", focus="fp8 and sm70"),
+    Mutation("quant-gather-zero-dropped", "gather", ALL, ("quantized", "addressing"), DEQUANT_CUH,
+             "for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(float(c[k]), scale), zero);",
+             "for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(float(c[k]), scale);", T_QUANT_GATHER,
+             "int8 / int4 gather: the per-token zero is not added back", focus="int"),
     Mutation("volta-stream-load-offset", "write", ("Sm70", "Sm75"), ("plain write", "pipeline"), ARCH_CUH,
              "r = __ldg(reinterpret_cast<const int4*>(vp));", "r = __ldg(reinterpret_cast<const int4*>(vp) + 1);",
              T_WRITE + T_GATHER + T_ATTENTION,

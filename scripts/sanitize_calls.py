@@ -45,6 +45,7 @@ def calls() -> List[Tuple[str, object]]:
     """(name, case) of every call: small shapes, every kernel variant the H200 can launch."""
     sc = _sweep_cases()
     BlockWriteCase, CacheSpec, CpCase, DecodeCase = sc.BlockWriteCase, sc.CacheSpec, sc.CpCase, sc.DecodeCase
+    QuantCase = sc.QuantCase
     GatherCase, MergeCase, PrefillCase, RopeSpec, WriteCase = (sc.GatherCase, sc.MergeCase, sc.PrefillCase,
                                                                sc.RopeSpec, sc.WriteCase)
 
@@ -122,6 +123,10 @@ def calls() -> List[Tuple[str, object]]:
     out += [(f"merge_states/{dt}", MergeCase(dtype=dt, shape=(3, 7), give_out=True))
             for dt in ("float16", "bfloat16", "float32")]
     out.append(("merge_states/float16/dim31-strided", MergeCase(shape=(2, 3, 5), dim=31, pads=(1, 7, 2))))
+    # Quantized caches: the quantizing write and the dequantizing gather, every format, both tags' paths.
+    out += [(f"quantized/{fmt}/{arch or 'best'}/{dt}", QuantCase(kv_format=fmt, arch=arch, dtype=dt))
+            for fmt in ("fp8", "fp8_ds_mla", "int8", "int4") for arch in (None, "sm70")
+            for dt in ("float16",) + (("bfloat16",) if arch is None else ())]
     out += [("cp_decode/best/float16/cp2", CpCase(kv_lens=[70, 5], q_lens=[3, 3])),
             ("cp_prefill/best/float16/cp2", CpCase(prefill=True, kv_lens=[40, 9], q_lens=[7, 9]))]
     return out

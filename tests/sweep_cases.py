@@ -754,8 +754,69 @@ def run_cp(case: CpCase, device, seed: int) -> Outcome:
     return Outcome(attention_problems(what, out, lse, *ref), can.changed_bytes())
 
 
+@dataclass
+class QuantCase:
+    """fused_write_kv into a quantized paged cache, then gather_kv of it: the written bytes equal the
+    spec's quantizer (mla_kv.reference.quant) of the rows the 16-bit fused write gives, the gathered
+    rows equal the reference gather of the cache, bit for bit."""
+
+    kv_format: str = "int8"
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    tokens: int = 40
+    block_size: int = 16
+    num_blocks: int = 4
+    padded_slots: int = 3
+
+
+def run_quant(case: QuantCase, device, seed: int) -> Outcome:
+    from mla_kv import layout
+    from mla_kv.reference import quant
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    fmt, bs, t = case.kv_format, case.block_size, case.tokens
+    scale = 0.5 if fmt == "fp8" else None
+    shape = ((case.num_blocks, layout.block_bytes(fmt, bs, dtype)) if fmt in layout.TRAILER_FORMATS
+             else (case.num_blocks, bs, layout.row_bytes(fmt)))
+    cache = can.tensor(shape, torch.uint8)
+    kv_a = can.tensor((t, 576), dtype, pad=(0, 64))
+    kv_a.copy_(randn(kv_a.shape, gen, device))
+    weight = can.tensor((512,), dtype)
+    weight.copy_(torch.rand(512, generator=gen, device=device) + 0.5)
+    positions = torch.randint(0, 1024, (t,), generator=gen, device=device)
+    cos_sin = cos_sin_cache(64, 1024, 1e4, device=device)
+    slots = torch.randperm(case.num_blocks * bs, generator=cpu_gen)[:t]
+    slots[:case.padded_slots] = -1
+    slots = slots.to(device)
+    before = cache.clone()
+    _, failed = _call(lambda: mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cos_sin, cache, slots,
+                                                    kv_format=fmt, kv_scale=scale, arch=case.arch), None, can)
+    if failed:
+        return failed
+    rows16 = torch.empty(1, t, 576, dtype=dtype, device=device)
+    mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cos_sin, rows16, torch.arange(t, device=device),
+                          arch=case.arch)
+    want = before.clone()
+    quant.write_rows(want, rows16[0], slots, fmt, kv_scale=scale)
+    problems = unchanged_problems(f"fused_write_kv[{fmt}] cache", cache, want)
+    changed = can.changed_bytes(cache)
+    table = can.tensor((1, case.num_blocks), torch.int32)
+    table.copy_(torch.randperm(case.num_blocks, generator=cpu_gen).view(1, -1).to(torch.int32))
+    cu = can.tensor((2,), torch.int32)
+    cu.copy_(torch.tensor([0, case.num_blocks * bs - 5], dtype=torch.int32))
+    out = can.tensor((case.num_blocks * bs - 3, 576), dtype)
+    _, failed = _call(lambda: mla_kv.gather_kv(cache, table, cu, out=out, kv_format=fmt, kv_scale=scale,
+                                               arch=case.arch), None, can)
+    if failed:
+        return failed
+    total = int(cu[-1])
+    spec = reference.gather_kv(cache.cpu(), table.cpu(), cu.cpu(), kv_format=fmt, kv_scale=scale, dtype=dtype)
+    problems += unchanged_problems(f"gather_kv[{fmt}] rows", out[:total].cpu(), spec)
+    return Outcome(problems, changed + can.changed_bytes(out[:total]))
+
+
 RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
-           WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp}
+           WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp, QuantCase: run_quant}
 
 
 def run(case, device, seed: int) -> Outcome:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Options each op must keep (scripts/gpu-check, RESULTS.md and docs/ call them).
 OPTIONS = {
-    "write": ["--quick", "--json", "--plot", "--heads-q"],
+    "write": ["--quick", "--json", "--plot", "--heads-q", "--kv-formats"],
     "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only"],
     "gather": ["--quick", "--json", "--plot"],
     "prefill": ["--quick", "--json", "--plot"],
@@ -231,10 +231,11 @@ def _prefill_row(label, q_len, kv_len, heads, dtype, gen):
             "expanded/absorbed": 1.25, "winner": "absorbed", "rel_diff": 1e-3}
 
 
-def _write_rows(tokens, dtypes, heads_q):
+def _write_rows(tokens, dtypes, heads_q, kv_formats):
     return [{"op": op, "dtype": str(d).split(".")[1], "T": t, "us": 5.0, "bytes": t * 2312, "GB/s": 1000.0,
-             "torch_native_us": None, "torch_native_GB/s": None}
-            for d in dtypes for t in tokens for op in ("write_kv", "fused_write_kv")]
+             "/ 16-bit": 1.0 if "[" in op else None, "torch_native_us": None, "torch_native_GB/s": None}
+            for d in dtypes for t in tokens
+            for op in ("write_kv", "fused_write_kv", *(f"fused_write_kv[{f}]" for f in kv_formats))]
 
 
 # op -> (the function faked, its fake, the JSON keys the op has always written)

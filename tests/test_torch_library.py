@@ -257,12 +257,13 @@ def test_block_pointer_helpers_flatten_the_cache():
     ptrs, cu, size, offset = block_pointer_args(cache)
     assert ptrs is cache.block_ptrs and cu is cache.cu_block_nums
     assert (size, offset) == (16, pool.layer_offset_bytes(2))
-    assert block_pointer_kwargs(cache) == dict(dtype=torch.bfloat16, rope_first=False, row_stride_bytes=1152)
+    assert block_pointer_kwargs(cache) == dict(dtype=torch.bfloat16, rope_first=False, row_stride_bytes=1152,
+                                               kv_format=None, kv_scale=None)
     rebuilt = library._cache(torch.empty(0, dtype=torch.bfloat16), "q", *block_pointer_args(cache),
                              **block_pointer_kwargs(cache))
     assert rebuilt == cache
-    # dtype None: the inputs' dtype; row_stride_bytes None: the unquantized row's
-    default = library._cache(torch.empty(0, dtype=torch.float16), "q", ptrs, cu, 16, 0, None, True, None)
+    # dtype None: the inputs' dtype; row_stride_bytes None: the row's of the format (None: unquantized)
+    default = library._cache(torch.empty(0, dtype=torch.float16), "q", ptrs, cu, 16, 0, None, True, None, None, None)
     assert (default.dtype, default.row_stride_bytes, default.rope_first) == (torch.float16, 1152, True)
 
 

@@ -30,18 +30,29 @@ __device__ __forceinline__ int block_offset(int pos, int size) {
   return (size & (size - 1)) == 0 ? pos & (size - 1) : pos % size;
 }
 
+// A write's target: the layer's region of one block and the row's index in it; a trailer format
+// keeps the row's (scale, zero) at region + rows_per_block * row_stride_bytes + offset * 4.
+struct RowSlot {
+  char* region;  // nullptr: the token is skipped
+  int64_t offset;
+};
+
 // Writes through a vLLM-style slot mapping.
 struct PagedSlotRows {
   PagedCache cache;
   const int64_t* slot_mapping;
 
-  // nullptr for padded (negative) or out-of-range slots: such tokens are skipped.
-  __device__ __forceinline__ char* row(int64_t t) const {
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  // Skipped: padded (negative) or out-of-range slots.
+  __device__ __forceinline__ RowSlot slot(int64_t t) const {
     const int64_t slot = slot_mapping[t];
     const int64_t block = slot / cache.block_size;
-    if (slot < 0 || block >= cache.num_blocks) return nullptr;
-    return static_cast<char*>(cache.base) + block * cache.block_stride_bytes +
-           (slot - block * cache.block_size) * cache.row.row_stride_bytes;
+    if (slot < 0 || block >= cache.num_blocks) return {nullptr, 0};
+    return {static_cast<char*>(cache.base) + block * cache.block_stride_bytes, slot - block * cache.block_size};
+  }
+  __device__ __forceinline__ char* row(int64_t t) const {
+    const RowSlot s = slot(t);
+    return s.region == nullptr ? nullptr : s.region + s.offset * cache.row.row_stride_bytes;
   }
 };
 
@@ -50,18 +61,23 @@ struct BlockPointerRows {
   BlockPointerCache cache;
   BlockWriteTargets to;
 
-  __device__ __forceinline__ char* row(int64_t t) const {
-    if (t >= to.cu_q_lens[cache.batch]) return nullptr;
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  __device__ __forceinline__ RowSlot slot(int64_t t) const {
+    if (t >= to.cu_q_lens[cache.batch]) return {nullptr, 0};
     const int b = sequence_of(to.cu_q_lens, cache.batch, t);
     const int64_t pos = to.history_lens[b] + (t - to.cu_q_lens[b]);
-    if (pos < 0 || pos % to.cp_size != to.cp_rank) return nullptr;
+    if (pos < 0 || pos % to.cp_size != to.cp_rank) return {nullptr, 0};
     const int64_t local = pos / to.cp_size;
-    if (to.readonly_lens != nullptr && local < to.readonly_lens[b]) return nullptr;
+    if (to.readonly_lens != nullptr && local < to.readonly_lens[b]) return {nullptr, 0};
     const int64_t block = local / cache.block_seq_len;
     const int first = cache.cu_block_nums[b];
-    if (block >= cache.cu_block_nums[b + 1] - first) return nullptr;
-    return static_cast<char*>(cache.block_ptrs[first + block]) + cache.layer_offset_bytes +
-           (local - block * cache.block_seq_len) * cache.row.row_stride_bytes;
+    if (block >= cache.cu_block_nums[b + 1] - first) return {nullptr, 0};
+    return {static_cast<char*>(cache.block_ptrs[first + block]) + cache.layer_offset_bytes,
+            local - block * cache.block_seq_len};
+  }
+  __device__ __forceinline__ char* row(int64_t t) const {
+    const RowSlot s = slot(t);
+    return s.region == nullptr ? nullptr : s.region + s.offset * cache.row.row_stride_bytes;
   }
 };
 
@@ -84,6 +100,7 @@ struct PagedTableRows {
   __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
     return base + int64_t(block_offset(pos, cache.block_size)) * cache.row.row_stride_bytes;
   }
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
 };
 
 // Reads position `pos` of sequence b through TurboMind-style block pointers.
@@ -99,7 +116,15 @@ struct BlockPointerTableRows {
   __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
     return base + int64_t(block_offset(pos, cache.block_seq_len)) * cache.row.row_stride_bytes;
   }
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
 };
+
+// An int8 / int4 row's (scale, zero) pair: after the rows of its layer's region of the block.
+template <class Rows>
+__device__ __forceinline__ const char* trailer_pair(const Rows& rows, const char* base, int pos) {
+  const int size = rows.rows_per_block();
+  return base + int64_t(size) * rows.cache.row.row_stride_bytes + 4 * int64_t(block_offset(pos, size));
+}
 
 // Kernels keep rows in shared memory in the canonical [c_kv | k_pe] order, like q's [q_lat | q_pe]:
 // the column of element e of a stored row (parts start at multiples of 64 elements).

@@ -72,11 +72,18 @@ PYBIND11_MODULE(_C, m) {
       .value("interleaved", RopeStyle::kInterleaved)
       .value("neox", RopeStyle::kNeox);
 
+  py::enum_<KvFormat>(m, "KvFormat")
+      .value("none", KvFormat::kNone)
+      .value("fp8", KvFormat::kFp8)
+      .value("fp8_ds_mla", KvFormat::kFp8DsMla)
+      .value("int8", KvFormat::kInt8)
+      .value("int4", KvFormat::kInt4);
   py::class_<RowLayout>(m, "RowLayout")
-      .def(py::init([](int latent_offset, int rope_offset, int64_t row_stride_bytes) {
-             return RowLayout{latent_offset, rope_offset, row_stride_bytes};
+      .def(py::init([](int latent_offset, int rope_offset, int64_t row_stride_bytes, KvFormat format, float kv_scale) {
+             return RowLayout{latent_offset, rope_offset, row_stride_bytes, format, kv_scale};
            }),
-           py::arg("latent_offset"), py::arg("rope_offset"), py::arg("row_stride_bytes"));
+           py::arg("latent_offset"), py::arg("rope_offset"), py::arg("row_stride_bytes"),
+           py::arg("format") = KvFormat::kNone, py::arg("kv_scale") = 1.f);
 
   py::class_<PagedCache>(m, "PagedCache")
       .def(py::init([](uintptr_t base, int64_t num_blocks, int block_size, int64_t block_stride_bytes,

@@ -18,10 +18,14 @@ Block pointers (one allocation per block holds every layer)::
 """
 from __future__ import annotations
 
+import numbers
+from collections import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+
+from . import _checks
 
 LATENT_DIM = 512
 ROPE_DIM = 64
@@ -83,9 +87,12 @@ class BlockPointerCache:
     cu_block_nums: int32 [B + 1], sequence b owns block_ptrs[cu_block_nums[b]:cu_block_nums[b+1]].
     block_seq_len: rows per block (a multiple of 64 for TurboMind on sm70).
     layer_offset_bytes: where this layer's rows start inside each block.
-    dtype: element type of the rows.
-    rope_first: row order [k_pe | c_kv] (TurboMind) if True, else [c_kv | k_pe].
-    row_stride_bytes: bytes from one row to the next (576 * element size when unquantized).
+    dtype: element type of the rows; for a quantized kv_format the compute dtype (float16 / bfloat16),
+        also the type of int8 / int4's per-token scale and zero.
+    rope_first: row order [k_pe | c_kv] (TurboMind) if True, else [c_kv | k_pe] (fp8_ds_mla: always).
+    row_stride_bytes: bytes from one row to the next (default row_bytes(kv_format, dtype): 576 * element
+        size when unquantized). int8 / int4 (scale, zero) pairs follow a layer's block_seq_len rows.
+    kv_format / kv_scale: the rows' format (KV_FORMATS) and fp8's dequant scale.
     """
 
     block_ptrs: torch.Tensor
@@ -95,10 +102,14 @@ class BlockPointerCache:
     dtype: torch.dtype
     rope_first: bool = True
     row_stride_bytes: Optional[int] = None
+    kv_format: Optional[str] = None
+    kv_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.row_stride_bytes is None:
-            self.row_stride_bytes = ROW_DIM * torch.empty((), dtype=self.dtype).element_size()
+            check_kv_format(self.kv_format, "cache.kv_format")
+            self.row_stride_bytes = (ROW_DIM * torch.empty((), dtype=self.dtype).element_size()
+                                     if self.kv_format is None else row_bytes(self.kv_format, self.dtype))
 
     @property
     def batch(self) -> int:
@@ -116,36 +127,138 @@ class BlockPointerCache:
 class BlockPool:
     """A pool of TurboMind-style blocks in one tensor, for tests, demos and engines without one.
 
-    ``storage`` is [num_blocks, num_layers, block_seq_len, 576]; block i's base address is
-    ``storage[i].data_ptr()``. ``layer_view(l)`` is layer l's rows as a paged tensor
-    [num_blocks, block_seq_len, 576] in the pool's row order, so the paged reference ops can check
-    what the block-pointer kernels wrote.
+    ``bytes`` is uint8 [num_blocks, bytes_per_block]; block i's base address is ``bytes[i].data_ptr()``.
+    Inside a block, layer l occupies ``layer_bytes[l]`` bytes from ``layer_offset_bytes(l)`` =
+    sum(layer_bytes[:l]), as TurboMind sums its layers' actual sizes: layers differ when some are
+    quantized (``layout.block_bytes(kv_format, block_seq_len)``) or not MLA. The default is every layer
+    block_seq_len rows of 576 values of ``dtype``. Offsets and the block size are multiples of 16, as
+    the kernels' 16-byte row vectors need.
+
+    ``layer_view(l)`` is layer l's rows as a paged tensor [num_blocks, block_seq_len, 576] of ``dtype``
+    in the pool's row order (a view: writes through it land in the pool), so the paged reference ops
+    can check what the block-pointer kernels wrote; a layer whose region is smaller than those rows is
+    an opaque region and has no view. When every layer holds rows and all have one size, ``storage``
+    is the whole pool as [num_blocks, num_layers, block_seq_len, 576] of ``dtype`` (a view of the
+    bytes); assigning such a view of other memory to ``storage`` moves the pool there, its block and
+    layer strides taken from the view (how tests put a pool inside a canaried buffer).
     """
 
     def __init__(self, num_blocks: int, num_layers: int, block_seq_len: int, dtype: torch.dtype,
-                 device="cpu", rope_first: bool = True):
-        self.storage = torch.empty(num_blocks, num_layers, block_seq_len, ROW_DIM, dtype=dtype,
-                                   device=device)
-        self.block_seq_len = block_seq_len
+                 device="cpu", rope_first: bool = True, layer_bytes: Optional[Sequence[int]] = None):
+        num_blocks = _checks.integer("num_blocks", num_blocks, 0)
+        num_layers = _checks.integer("num_layers", num_layers, 1)
+        self.block_seq_len = _checks.integer("block_seq_len", block_seq_len, 1)
         self.rope_first = rope_first
+        self.dtype = dtype
+        rows = self._rows_bytes()
+        if layer_bytes is None:
+            layer_bytes = [rows] * num_layers
+        elif isinstance(layer_bytes, (str, bytes, torch.Tensor)) or not isinstance(layer_bytes, abc.Sequence):
+            raise TypeError(f"layer_bytes: expected a sequence of ints (bytes per block of each layer), "
+                            f"got {type(layer_bytes).__name__}")
+        elif len(layer_bytes) != num_layers:
+            raise ValueError(f"layer_bytes: {len(layer_bytes)} entries for num_layers = {num_layers}")
+        self.layer_bytes = tuple(_checks.integer(f"layer_bytes[{l}]", n, 1) for l, n in enumerate(layer_bytes))
+        offsets = [0]
+        for n in self.layer_bytes:
+            offsets.append(offsets[-1] + n)
+        for l, offset in enumerate(offsets[1:-1], start=1):
+            if offset % 16:
+                raise ValueError(f"layer_bytes: layer {l} starts at byte {offset} of the block (the sum of the "
+                                 f"earlier layers' bytes), not a multiple of 16")
+        if offsets[-1] % 16:
+            raise ValueError(f"layer_bytes: the block's {offsets[-1]} bytes (their sum, layer {num_layers - 1} "
+                             f"ending there) are not a multiple of 16")
+        self._offsets = tuple(offsets[:-1])
+        self.bytes = torch.empty(num_blocks, offsets[-1], dtype=torch.uint8, device=device)
+
+    def _rows_bytes(self) -> int:
+        """Bytes of one layer's rows in a block: block_seq_len rows of 576 values of the pool dtype."""
+        return self.block_seq_len * ROW_DIM * torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.storage.dtype
+    def num_blocks(self) -> int:
+        return self.bytes.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes from one block's base to the next one's (the sum of layer_bytes for a pool made here)."""
+        return self.bytes.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.bytes.device
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: must be an int in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
 
     def layer_offset_bytes(self, layer: int) -> int:
-        return layer * self.storage.stride(1) * self.storage.element_size()
+        """Where layer ``layer`` starts inside each block: the sum of the earlier layers' bytes."""
+        return self._offsets[self._check_layer(layer)]
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        return self.storage[:, layer]
+        """Layer ``layer``'s rows as [num_blocks, block_seq_len, 576] of the pool dtype, a view of ``bytes``."""
+        layer = self._check_layer(layer)
+        rows = self._rows_bytes()
+        if self.layer_bytes[layer] < rows:
+            raise ValueError(f"layer: layer {layer} is an opaque region of {self.layer_bytes[layer]} bytes per "
+                             f"block, smaller than {self.block_seq_len} rows of {ROW_DIM} {self.dtype} values "
+                             f"({rows} bytes): it has no row view")
+        offset = self._offsets[layer]
+        return self.bytes[:, offset:offset + rows].view(self.dtype).view(self.num_blocks, self.block_seq_len, ROW_DIM)
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The pool as [num_blocks, num_layers, block_seq_len, 576] of the pool dtype (a view of ``bytes``);
+        only for a pool whose layers all hold rows and have one size."""
+        rows, size = self._rows_bytes(), self.layer_bytes[0]
+        if any(n != size for n in self.layer_bytes) or size < rows:
+            raise ValueError(f"storage: one 4-D view needs layers of one size holding {self.block_seq_len} rows of "
+                             f"{ROW_DIM} {self.dtype} values each; this pool's layer_bytes are "
+                             f"{list(self.layer_bytes)}: use pool.bytes and pool.layer_view(layer)")
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        return self.bytes.view(self.dtype).as_strided(
+            (self.num_blocks, self.num_layers, self.block_seq_len, ROW_DIM),
+            (self.bytes_per_block // esz, size // esz, ROW_DIM, 1))
+
+    @storage.setter
+    def storage(self, storage: torch.Tensor) -> None:
+        if not isinstance(storage, torch.Tensor):
+            raise TypeError(f"storage: expected a torch.Tensor, got {type(storage).__name__}")
+        shape = (self.num_layers, self.block_seq_len, ROW_DIM)
+        if storage.dim() != 4 or tuple(storage.shape[1:]) != shape or storage.dtype != self.dtype:
+            raise ValueError(f"storage: expected [num_blocks, {', '.join(map(str, shape))}] of {self.dtype}, "
+                             f"got {tuple(storage.shape)} of {storage.dtype}")
+        if storage.stride(3) != 1 or storage.stride(2) != ROW_DIM:
+            raise ValueError(f"storage: a layer's rows must be contiguous (strides [..., {ROW_DIM}, 1]), "
+                             f"got strides {storage.stride()}")
+        esz = storage.element_size()
+        layer_bytes, block_stride = storage.stride(1) * esz, storage.stride(0) * esz
+        if layer_bytes < self._rows_bytes() or block_stride < self.num_layers * layer_bytes or \
+                layer_bytes % 16 or block_stride % 16:
+            raise ValueError(f"storage: its layers ({layer_bytes} bytes apart) must not overlap within a block "
+                             f"({block_stride} bytes apart), and both strides must be multiples of 16 bytes")
+        raw = storage.view(torch.uint8)  # same memory; as_strided below starts where storage does
+        if (storage.storage_offset() * esz + storage.shape[0] * block_stride) > raw.untyped_storage().nbytes():
+            raise ValueError(f"storage: its {storage.shape[0]} blocks of {block_stride} bytes run past the end "
+                             f"of the tensor's memory")
+        self.bytes = raw.as_strided((storage.shape[0], block_stride), (block_stride, 1))
+        self.layer_bytes = (layer_bytes,) * self.num_layers
+        self._offsets = tuple(l * layer_bytes for l in range(self.num_layers))
 
     def cache(self, layer: int, block_ids: torch.Tensor, cu_block_nums: torch.Tensor) -> BlockPointerCache:
         """The BlockPointerCache of ``layer`` for sequences owning ``block_ids`` (flat, by cu_block_nums)."""
-        block_bytes = self.storage.stride(0) * self.storage.element_size()
-        ptrs = self.storage.data_ptr() + block_ids.to(torch.int64) * block_bytes
+        self.layer_view(layer)  # a layer without rows (an opaque region) has no cache
+        ptrs = self.bytes.data_ptr() + block_ids.to(torch.int64) * self.bytes_per_block
         return BlockPointerCache(
-            block_ptrs=ptrs.to(self.storage.device),
-            cu_block_nums=cu_block_nums.to(device=self.storage.device, dtype=torch.int32),
+            block_ptrs=ptrs.to(self.device),
+            cu_block_nums=cu_block_nums.to(device=self.device, dtype=torch.int32),
             block_seq_len=self.block_seq_len, layer_offset_bytes=self.layer_offset_bytes(layer),
             dtype=self.dtype, rope_first=self.rope_first)
 

@@ -11,7 +11,8 @@ cp-fold. Every rank computes q and kv_a for all new tokens (activations are repl
 its own tokens (``cp_fused_write_kv``), attends over its local tokens (``cp_decode`` /
 ``cp_prefill``, giving a partial (out, lse) per rank) and the partial states are merged by their
 log-sum-exp (``cp_merge``: an all-gather, then ``mla_kv.merge_states``). Each rank holds local block
-tables that map its local positions to blocks of its own cache; the lengths passed in are GLOBAL.
+tables (or, in TurboMind's block-pointer form, block lists) that map its local positions to blocks of
+its own cache; the lengths passed in are GLOBAL. Both forms serve the write, decode and prefill.
 
 Causal masking across ranks: a query at global position p sees global positions <= p, which on rank
 r are the ``(p + cp - r) // cp`` local positions 0, 1, ... (``cp_local_lens(p + 1)``). Along the new
@@ -20,7 +21,8 @@ the ops' per-sequence rule "query i sees kv_len - q_len + i + 1". But the querie
 are congruent mod cp are spaced exactly cp apart, and along them the count does grow by exactly 1
 per query: each such residue class is an ordinary causal query block whose kv length is the count of
 its last query. cp_decode and cp_prefill run the ordinary kernels on those classes (min(S_q, cp)
-strided decode calls; one prefill over the B x cp classes, reordered), so no new kernel is needed.
+strided decode calls; one prefill over the B x cp classes, reordered, each class reading its sequence's
+table row or, for block pointers, a copy of its sequence's block list), so no new kernel is needed.
 The price: each class makes its own pass over the local cache (min(S_q, cp) passes for decode, up to
 cp for prefill) where a kernel with a per-query mask could make one; for S_q = 1 it is one pass.
 
@@ -33,6 +35,7 @@ ops) synchronizes everywhere, as the reference does.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -40,11 +43,11 @@ import torch.distributed as dist
 
 from . import _checks, ops
 from .layout import LATENT_DIM, BlockPointerCache
-from .ops._common import _result_tensor, _same_device, _size, _tensor
+from .ops._common import _check_block_pointer_cache, _result_tensor, _same_device, _size, _tensor
 
 __all__ = [
-    "CpTokens", "cp_decode", "cp_fused_write_kv", "cp_local_lens", "cp_local_positions", "cp_merge",
-    "cp_prefill", "cp_slot_mapping", "merge_partial_states", "shard_heads",
+    "CpTokens", "cp_class_block_pointers", "cp_decode", "cp_fused_write_kv", "cp_local_lens", "cp_local_positions",
+    "cp_merge", "cp_prefill", "cp_slot_mapping", "merge_partial_states", "shard_heads",
 ]
 
 
@@ -170,23 +173,41 @@ def cp_slot_mapping(tokens: CpTokens, block_table: torch.Tensor, block_size: int
 
 
 def cp_fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
-                      kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q_lens: torch.Tensor,
+                      kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
                       history_lens: torch.Tensor, cp: int, rank: int, *, rope_style: str = "interleaved",
-                      q: Optional[torch.Tensor] = None, validate: bool = False,
-                      arch: Optional[str] = None) -> None:
+                      q: Optional[torch.Tensor] = None, readonly_lens: Optional[torch.Tensor] = None,
+                      validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.fused_write_kv under context parallelism: this rank writes only the tokens it owns.
 
     kv_a [T, 576]: the raw kv_a projection of ALL new tokens, packed by sequence (cu_q_lens int32
-    [B + 1], history_lens int32 [B] as in cp_local_positions; rows past cu_q_lens[B] are padding);
-    kv_cache [num_blocks, block_size, 576] and block_table int32 [B, max_blocks] are this rank's local
-    cache and table. RoPE uses the global positions, and q [T, H, D] (optional) is rotated for every
-    token, owned or not, since every rank attends with all queries. One ordinary fused_write_kv launch
-    with a computed slot mapping (other ranks' tokens get slot -1). An engine writing many layers per
-    step can compute cp_local_positions / cp_slot_mapping once and call fused_write_kv per layer.
+    [B + 1], history_lens int32 [B]: the GLOBAL history lengths, as in cp_local_positions; rows past
+    cu_q_lens[B] are padding). kv_cache / block_table: this rank's LOCAL cache, either a paged tensor
+    [num_blocks, block_size, 576] with its table int32 [B, max_blocks], or a layout.BlockPointerCache
+    (block_table None) whose sequence b's blocks hold its local rows 0, 1, ... (local row j: global
+    position j * cp + rank). RoPE uses the global positions, and q [T, H, D] (optional) is rotated for
+    every token, owned or not, since every rank attends with all queries.
+
+    Paged: one ordinary fused_write_kv launch with a computed slot mapping (other ranks' tokens get slot
+    -1). Block pointers: one fused_write_kv_blocks launch with cp_size=cp, cp_rank=rank, the kernel
+    skipping the other ranks' tokens itself; ``readonly_lens`` (int32 [B], optional, block form only)
+    counts the LOCAL rows of each sequence that are never written (TurboMind's read-only prefix blocks,
+    readonly_block_num[b] * block_len). An engine writing many layers per step can compute
+    cp_local_positions (and cp_slot_mapping) once and call the ordinary write per layer.
     """
     _tensor("kv_a", kv_a, dims=2)
-    _tensor("kv_cache", kv_cache, dims=3)
+    blocks = isinstance(kv_cache, BlockPointerCache)
+    if blocks and block_table is not None:
+        raise ValueError("block_table: must be None with a layout.BlockPointerCache (its block lists address the rows)")
+    if not blocks and readonly_lens is not None:
+        raise ValueError("readonly_lens: only for a layout.BlockPointerCache kv_cache; a paged write skips rows "
+                         "through its slot mapping (slot -1)")
     tokens = cp_local_positions(cu_q_lens, history_lens, cp, rank, num_tokens=kv_a.shape[0])
+    if blocks:
+        ops.fused_write_kv_blocks(kv_a, rms_weight, eps, tokens.positions, cos_sin_cache, kv_cache, cu_q_lens,
+                                  history_lens, rope_style=rope_style, q=q, readonly_lens=readonly_lens,
+                                  cp_size=cp, cp_rank=rank, validate=validate, arch=arch)
+        return
+    _tensor("kv_cache", kv_cache, dims=3)
     _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
     _size("block_table", block_table, 0, cu_q_lens.shape[0] - 1)
     slots = cp_slot_mapping(tokens, block_table, kv_cache.shape[1])
@@ -224,7 +245,43 @@ def cp_decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], se
     return out, lse
 
 
-def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q_lens: torch.Tensor,
+def cp_class_block_pointers(block_ptrs: torch.Tensor, cu_block_nums: torch.Tensor,
+                            cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The block lists of causal cp_prefill's query classes: class (b, g) reads sequence b's blocks.
+
+    block_ptrs int64 [N] and cu_block_nums int32 [B + 1] as in layout.BlockPointerCache (sequence b
+    owns block_ptrs[cu_block_nums[b]:cu_block_nums[b + 1]]). Returns (class_ptrs int64 [cp * N],
+    class_cu_block_nums int32 [B * cp + 1]): class c = b * cp + g (the order of cp_prefill's classes)
+    owns class_ptrs[class_cu_block_nums[c]:class_cu_block_nums[c + 1]], a copy of sequence b's list.
+    Each sequence's range is repeated cp times where it was (class (b, g) starts at
+    cp * cu_block_nums[b] + g * its block count); entries no class owns (past cp * cu_block_nums[B],
+    or before cp * cu_block_nums[0]) are 0. The classes share the sequences' blocks, so nothing of the
+    cache is copied. Device tensor ops on shapes known on the host (cp * N): no host synchronization.
+    """
+    _checks.integer("cp", cp, 1)
+    _tensor("block_ptrs", block_ptrs, dims=1, dtype=torch.int64, contiguous=True)
+    _tensor("cu_block_nums", cu_block_nums, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_block_nums.shape[0] < 2:
+        raise ValueError("cu_block_nums: needs at least 2 entries (batch >= 1)")
+    _same_device(block_ptrs=block_ptrs, cu_block_nums=cu_block_nums)
+    cu = cu_block_nums.long()
+    counts = cu[1:] - cu[:-1]
+    classes = counts.shape[0] * cp
+    starts = cp * cu[:-1, None] + torch.arange(cp, device=cu.device) * counts[:, None]      # [B, cp]
+    class_cu = torch.cat([starts.flatten(), cp * cu[-1:]])
+    entry = torch.arange(cp * block_ptrs.shape[0], device=cu.device)
+    # The class c with class_cu[c] <= entry < class_cu[c + 1], and the entry's place in its list.
+    cls = torch.searchsorted(class_cu[1:], entry, right=True).clamp_max(classes - 1)
+    within = entry - class_cu[cls]
+    owned = (within >= 0) & (entry < class_cu[-1])
+    # Clamped into block_ptrs: a cu_block_nums running past its end reads nothing out of range here
+    # (the kernels then get class lists as far out of range as the caller's lists were).
+    source = (cu[cls // cp] + within).clamp(0, max(block_ptrs.shape[0] - 1, 0))
+    class_ptrs = torch.where(owned, block_ptrs[source], 0)
+    return class_ptrs, class_cu.to(torch.int32)
+
+
+def cp_prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
                kv_lens: torch.Tensor, softmax_scale: float, cp: int, rank: int, *, causal: bool = True,
                out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                workspace: Optional[torch.Tensor] = None, schedule: Optional[ops.AttentionSchedule] = None,
@@ -233,12 +290,15 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     q [T, H, 576] packed (cu_q_lens int32 [B + 1], cu_q_lens[B] == T) as in mla_kv.prefill; kv_lens
     int32 [B]: the GLOBAL kv lengths including the new tokens (a cached prefix of kv_len - q_len);
-    kv_cache [num_blocks, block_size, 576] / block_table int32 [B, max_blocks]: this rank's LOCAL paged
-    cache and table. Causal: a query at global position p sees the local tokens of positions <= p.
-    The queries are regrouped into the B x cp residue classes (sequence b, in-sequence index i with
-    i % cp == g), each an ordinary causal sequence over the same table row, and run by one prefill:
-    a copy of q into class order and of out/lse back. Not causal: one prefill over the local lengths.
-    ``schedule`` / ``workspace``: for B * cp sequences and T tokens. No host synchronization.
+    kv_cache / block_table: this rank's LOCAL cache, a paged tensor [num_blocks, block_size, 576] with
+    its table int32 [B, max_blocks], or a layout.BlockPointerCache (block_table None). Causal: a query
+    at global position p sees the local tokens of positions <= p. The queries are regrouped into the
+    B x cp residue classes (sequence b, in-sequence index i with i % cp == g), each an ordinary causal
+    sequence over its sequence's cache (the table row repeated cp times; block pointers: the block list
+    repeated, cp_class_block_pointers), and run by one prefill: a copy of q into class order and of
+    out/lse back. Not causal: one prefill over the local lengths.
+    ``schedule`` / ``workspace``: for B * cp sequences and T tokens (block pointers: max kv length
+    len(block_ptrs) * block_seq_len, which the default plans for). No host synchronization.
     """
     _check_rank("cp", cp, rank)
     _tensor("q", q, dims=3)
@@ -248,13 +308,25 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if not causal or cp == 1:
         return ops.prefill(q, kv_cache, block_table, cu_q_lens, cp_local_lens(kv_lens, cp, rank), softmax_scale,
                            causal=causal, out=out, lse=lse, workspace=workspace, schedule=schedule, arch=arch)
-    if isinstance(kv_cache, BlockPointerCache):
-        raise ValueError("kv_cache: causal cp_prefill takes a paged cache and block_table (its query classes "
-                         "share table rows, which block pointers cannot express)")
     tokens, heads, _ = q.shape
+    if isinstance(kv_cache, BlockPointerCache):
+        _check_block_pointer_cache(kv_cache, q.dtype)
+        if kv_cache.batch != batch:
+            raise ValueError(f"kv_cache.cu_block_nums: describes {kv_cache.batch} sequences, cu_q_lens {batch}")
+        class_ptrs, class_cu_blocks = cp_class_block_pointers(kv_cache.block_ptrs, kv_cache.cu_block_nums, cp)
+        class_cache = dataclasses.replace(kv_cache, block_ptrs=class_ptrs, cu_block_nums=class_cu_blocks)
+        class_table = None
+        if schedule is None and q.device.type == "cuda":
+            # Each class list is one of the sequences' lists: bound the kv length by the original
+            # pointers, not by the cp-fold class array ops.prefill would plan for.
+            schedule = ops.attention_schedule(batch * cp, max(1, -(-tokens // (batch * cp))), heads,
+                                              kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len,
+                                              total_q_tokens=tokens, device=q.device, arch=arch)
+    else:
+        _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+        class_cache, class_table = kv_cache, block_table.repeat_interleave(cp, dim=0)
     out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, q.device)
     lse = _result_tensor("lse", lse, (tokens, heads), torch.float32, q.device)
-    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
 
     cu = cu_q_lens.long()
     q_lens = cu[1:] - cu[:-1]
@@ -269,7 +341,7 @@ def cp_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     to_class = cu_class.long()[seq * cp + index % cp] + index // cp     # token -> its row in class order
     q_classes = q.new_empty((tokens, heads, q.shape[2])).index_copy_(0, to_class, q)
     out_classes, lse_classes = ops.prefill(
-        q_classes, kv_cache, block_table.repeat_interleave(cp, dim=0), cu_class, class_kv, softmax_scale,
+        q_classes, class_cache, class_table, cu_class, class_kv, softmax_scale,
         causal=True, workspace=workspace, schedule=schedule, arch=arch)
     out.copy_(out_classes[to_class])
     lse.copy_(lse_classes[to_class])

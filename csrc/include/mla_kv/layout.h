@@ -1,9 +1,9 @@
 // mla_kv: what an engine includes to address the MLA latent cache. No torch, no pybind11.
 //
 // A cache row holds one token of one layer: kLatentDim values of the RMS-normalized latent c_kv
-// and kRopeDim values of the rotated rope key k_pe, in either order. Quantized caches will append
-// per-token scale bytes after the data; `row_stride_bytes` is therefore a parameter everywhere and
-// never derived from the element count.
+// and kRopeDim values of the rotated rope key k_pe, in either order, 16-bit (or fp32) or in one of
+// the engines' quantized formats (KvFormat). `row_stride_bytes` is a parameter everywhere and never
+// derived from the element count.
 #pragma once
 
 #include <cstdint>
@@ -20,11 +20,28 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
-// Element offsets of the two parts inside a row.
+// The bytes of a cached row. Byte layouts: python/mla_kv/reference/quant.py (the spec) and
+// ../shared/notes/facts.md; every format is byte-compatible with the engine named.
+enum class KvFormat : int {
+  kNone = 0,      // 16-bit (or fp32) values, the op's dtype
+  kFp8 = 1,       // 576 B: every value e4m3 of x / kv_scale (vLLM fp8)
+  kFp8DsMla = 2,  // 656 B: 4 tiles of 128 latent e4m3, 4 fp32 tile scales, 64 bf16 rope values (vLLM
+                  //        fp8_ds_mla, FlashMLA FP8); latent first only
+  kInt8 = 3,      // 576 B of codes; per-token (scale, zero) in the op's 16-bit dtype after the
+                  //        block's rows: [block rows][block (scale, zero) pairs] (TurboMind policy 8)
+  kInt4 = 4,      // 288 B of codes, 8 per 32-bit word in nibble order 0,2,4,6,1,3,5,7; the same
+                  //        trailer (TurboMind quant_policy 4)
+};
+
+inline bool has_trailer(KvFormat f) { return f == KvFormat::kInt8 || f == KvFormat::kInt4; }
+
+// Where the two parts sit inside a row, as element (value) indices 0..575, and the row's format.
 struct RowLayout {
   int latent_offset;  // first element of c_kv
   int rope_offset;    // first element of k_pe
   int64_t row_stride_bytes;
+  KvFormat format = KvFormat::kNone;
+  float kv_scale = 1.f;  // kFp8's dequant scale: value = e4m3 * kv_scale
 
   // vLLM / FlashMLA / FlashInfer: [c_kv | k_pe]
   static RowLayout latent_first(int64_t row_stride_bytes) { return {0, kLatentDim, row_stride_bytes}; }
@@ -63,6 +80,7 @@ enum class Status : int {
   kInvalidArgument = 3,
   kCudaError = 4,          // see cudaGetLastError()
   kSharedMemoryExceeded = 5,  // no tile configuration fits the device's (or the given) shared memory
+  kUnsupportedFormat = 6,  // this op does not read or write the cache's KvFormat (yet)
 };
 
 const char* status_string(Status s);

@@ -100,6 +100,7 @@ const char* status_string(Status s) {
     case Status::kCudaError: return "CUDA error";
     case Status::kSharedMemoryExceeded:
       return "no tile configuration of this arch variant fits the shared memory per block (see attention_tiles)";
+    case Status::kUnsupportedFormat: return "this op does not support the cache's kv_format";
   }
   return "unknown status";
 }

@@ -30,6 +30,7 @@ int grid_x_for(const AttentionParams& p, int block_m) {
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
+  if (rows.cache.row.format != KvFormat::kNone) return Status::kUnsupportedFormat;  // 16-bit rows only so far
   if (check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk) return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;

@@ -13,6 +13,8 @@ namespace gather_detail {
 
 template <class A, class T, class Rows>
 Status launch_gather_kv(const GatherKvParams& p, const Rows& rows, bool vec16, cudaStream_t stream);
+template <class A, class T, class Rows>
+Status launch_gather_kv_dequant(const GatherKvParams& p, const Rows& rows, cudaStream_t stream);
 
 }  // namespace gather_detail
 }  // namespace mla_kv
@@ -22,3 +24,9 @@ Status launch_gather_kv(const GatherKvParams& p, const Rows& rows, bool vec16, c
       const mla_kv::GatherKvParams&, const mla_kv::PagedTableRows&, bool, cudaStream_t);                 \
   template mla_kv::Status mla_kv::gather_detail::launch_gather_kv<A, T, mla_kv::BlockPointerTableRows>(   \
       const mla_kv::GatherKvParams&, const mla_kv::BlockPointerTableRows&, bool, cudaStream_t);
+
+#define MLA_KV_INSTANTIATE_GATHER_DEQUANT(A, T)                                                                  \
+  template mla_kv::Status mla_kv::gather_detail::launch_gather_kv_dequant<A, T, mla_kv::PagedTableRows>(          \
+      const mla_kv::GatherKvParams&, const mla_kv::PagedTableRows&, cudaStream_t);                              \
+  template mla_kv::Status mla_kv::gather_detail::launch_gather_kv_dequant<A, T, mla_kv::BlockPointerTableRows>(   \
+      const mla_kv::GatherKvParams&, const mla_kv::BlockPointerTableRows&, cudaStream_t);

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..layout import LATENT_DIM, ROW_DIM, BlockPointerCache
+from ..layout import LATENT_DIM, ROW_DIM, TRAILER_FORMATS, BlockPointerCache, check_kv_format, row_bytes
+from ..reference import quant as _quant
 
 try:  # the compiled kernels are absent in a reference-only install
     from .. import _C
@@ -122,20 +123,30 @@ def _check_paged_cache(kv_cache) -> None:
     _size("kv_cache", kv_cache, 2, ROW_DIM)
 
 
-def _check_block_pointer_cache(cache, dtype) -> None:
+def _check_block_pointer_cache(cache, dtype, *, quantized_ok: bool = False) -> None:
+    """quantized_ok: the op reads or writes the quantized formats (the writes); the others take
+    16-bit (or fp32) rows only so far."""
     if not isinstance(cache, BlockPointerCache):
         raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
     if cache.dtype != dtype:
         raise TypeError(f"cache: dtype {cache.dtype} differs from the inputs' {dtype}")
+    if cache.kv_format is not None and not quantized_ok:
+        raise ValueError(f"cache.kv_format: this op reads 16-bit caches only so far (the quantized formats are "
+                         f"written, not yet read), got {cache.kv_format!r}")
+    _check_kv_format(cache.kv_format, cache.kv_scale, dtype, names=("cache.kv_format", "cache.kv_scale", "cache.dtype"))
+    if cache.kv_format == "fp8_ds_mla" and cache.rope_first:
+        raise ValueError("cache.rope_first: fp8_ds_mla rows are latent first (its 656-byte layout has no "
+                         "rope-first form); pass rope_first=False")
     _tensor("cache.block_ptrs", cache.block_ptrs, dims=1, dtype=torch.int64, contiguous=True)
     _tensor("cache.cu_block_nums", cache.cu_block_nums, dims=1, dtype=torch.int32, contiguous=True)
     if cache.batch < 1:
         raise ValueError("cache.cu_block_nums: needs at least 2 entries (batch >= 1)")
     if cache.block_seq_len < 1:
         raise ValueError(f"cache.block_seq_len: must be >= 1, got {cache.block_seq_len}")
-    esz = torch.empty((), dtype=dtype).element_size()
-    if cache.row_stride_bytes < ROW_DIM * esz or cache.row_stride_bytes % 16:
-        raise ValueError(f"cache.row_stride_bytes: must be a multiple of 16 and >= {ROW_DIM * esz}, "
+    least = (ROW_DIM * torch.empty((), dtype=dtype).element_size() if cache.kv_format is None
+             else row_bytes(cache.kv_format))
+    if cache.row_stride_bytes < least or cache.row_stride_bytes % 16:
+        raise ValueError(f"cache.row_stride_bytes: must be a multiple of 16 and >= {least}, "
                          f"got {cache.row_stride_bytes}")
     if cache.layer_offset_bytes < 0 or cache.layer_offset_bytes % 16:
         raise ValueError(f"cache.layer_offset_bytes: must be a non-negative multiple of 16, "
@@ -145,6 +156,36 @@ def _check_block_pointer_cache(cache, dtype) -> None:
 def _check_block_table(block_table, batch):
     _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
     _size("block_table", block_table, 0, batch)
+
+
+def _check_kv_format(kv_format, kv_scale, dtype, names=("kv_format", "kv_scale", "dtype")) -> Optional[float]:
+    """A quantized format's arguments: the compute dtype is 16-bit; fp8 takes a dequant scale (returned
+    as a float), the others none. names: of the format, the scale and what gives the dtype."""
+    check_kv_format(kv_format, names[0])
+    if kv_format is None:
+        if kv_scale is not None:
+            raise ValueError(f"{names[1]}: only the fp8 format takes a scale, got {kv_scale!r} without one")
+        return None
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{names[2]}: a {kv_format} cache is written from and read into float16 or bfloat16, "
+                        f"got {dtype}")
+    if kv_format == "fp8":
+        return _quant.check_kv_scale(kv_scale, names[1])
+    if kv_scale is not None:
+        raise ValueError(f"{names[1]}: only the fp8 format takes a scale; {kv_format} keeps its own, got {kv_scale!r}")
+    return None
+
+
+def _check_quantized_paged_cache(kv_cache, kv_format, dtype) -> int:
+    """A quantized paged cache (layouts in mla_kv.reference.quant) -> its block size; 16-byte aligned
+    blocks and rows, the bytes of a row (of a block, for int8 / int4) contiguous."""
+    block_size = _quant.cache_block_size(kv_cache, kv_format, dtype)
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache: the last dim must be contiguous (got strides {kv_cache.stride()})")
+    if kv_cache.device.type == "cuda" and (kv_cache.data_ptr() % 16 or any(s % 16 for s in kv_cache.stride()[:-1])):
+        raise ValueError(f"kv_cache: data pointer and strides must be multiples of 16 bytes (got strides "
+                         f"{kv_cache.stride()})")
+    return block_size
 
 
 def _validate_table(table_name, lens_name, lens, q_lens, blocks_have, block_size) -> None:
@@ -164,14 +205,25 @@ def _validate_table(table_name, lens_name, lens, q_lens, blocks_have, block_size
                          f"{-(-int(lens[b]) // block_size)} blocks of {block_size}")
 
 
-def _paged_cache(kv_cache):
-    esz = kv_cache.element_size()
-    row = _C.RowLayout(0, LATENT_DIM, kv_cache.stride(1) * esz)
-    return _C.PagedCache(kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1],
-                         kv_cache.stride(0) * esz, row)
+def _c_format(kv_format, kv_scale):
+    return (_C.KvFormat.none if kv_format is None else getattr(_C.KvFormat, kv_format)), (kv_scale or 1.0)
+
+
+def _paged_cache(kv_cache, kv_format=None, kv_scale=None, block_size=None):
+    """The _C.PagedCache of a paged cache: [num_blocks, block_size, 576] values, or a quantized one (uint8
+    [num_blocks, block_size, row_bytes], or [num_blocks, block_bytes] for int8 / int4 with its block_size)."""
+    fmt, scale = _c_format(kv_format, kv_scale)
+    if kv_format in TRAILER_FORMATS:
+        row = _C.RowLayout(0, LATENT_DIM, row_bytes(kv_format), fmt, scale)
+    else:
+        block_size = kv_cache.shape[1]
+        row = _C.RowLayout(0, LATENT_DIM, kv_cache.stride(1) * kv_cache.element_size(), fmt, scale)
+    return _C.PagedCache(kv_cache.data_ptr(), kv_cache.shape[0], block_size,
+                         kv_cache.stride(0) * kv_cache.element_size(), row)
 
 
 def _blocks_cache(cache: BlockPointerCache):
-    row = _C.RowLayout(cache.latent_offset, cache.rope_offset, cache.row_stride_bytes)
+    row = _C.RowLayout(cache.latent_offset, cache.rope_offset, cache.row_stride_bytes,
+                       *_c_format(cache.kv_format, cache.kv_scale))
     return _C.BlockPointerCache(cache.block_ptrs.data_ptr(), cache.cu_block_nums.data_ptr(), cache.batch,
                                 cache.block_seq_len, cache.layer_offset_bytes, row)

@@ -1,6 +1,7 @@
 """gather_kv: each sequence's cache rows, latent first, packed into one tensor."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -8,29 +9,56 @@ import torch
 from .. import reference
 from ..layout import ROW_DIM, BlockPointerCache
 from ._common import (_C, _DTYPES, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
-                      _check_block_table, _check_lens, _check_paged_cache, _kernel_arch, _paged_cache,
-                      _same_device, _size, _stream, _tensor, _validate_table)
+                      _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
+                      _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device, _size, _stream,
+                      _tensor, _validate_table)
 
 
-def _check_gather_cache(kv_cache, block_table, batch) -> None:
+@dataclass(frozen=True)
+class GatherSource:
+    """The cache a gather reads: its format (None: values of dtype), fp8's scale, the block size of a
+    paged cache, and the rows' dtype (out's; a quantized cache's compute dtype)."""
+
+    kv_format: Optional[str]
+    kv_scale: Optional[float]
+    block_size: int
+    dtype: torch.dtype
+
+
+def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype) -> GatherSource:
     if isinstance(kv_cache, BlockPointerCache):
         if block_table is not None:
             raise ValueError("block_table: must be None with a BlockPointerCache (its blocks are given by "
                              "cache.cu_block_nums)")
+        if kv_format is not None or kv_scale is not None or dtype is not None:
+            raise ValueError("kv_format / kv_scale / dtype: a BlockPointerCache carries its own (cache.kv_format, "
+                             "cache.kv_scale, cache.dtype)")
         if kv_cache.dtype not in _DTYPES:
             raise TypeError(f"cache: dtype must be one of {', '.join(map(str, _DTYPES))}, got {kv_cache.dtype}")
-        _check_block_pointer_cache(kv_cache, kv_cache.dtype)
+        _check_block_pointer_cache(kv_cache, kv_cache.dtype, quantized_ok=True)
         if kv_cache.batch != batch:
             raise ValueError(f"cu_kv_lens: describes {batch} sequences, cache.cu_block_nums {kv_cache.batch}")
-    elif not isinstance(kv_cache, torch.Tensor):
+        return GatherSource(kv_cache.kv_format, kv_cache.kv_scale, kv_cache.block_seq_len, kv_cache.dtype)
+    if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache: expected a torch.Tensor or a layout.BlockPointerCache, "
                         f"got {type(kv_cache).__name__}")
-    else:
+    if kv_format is None:
+        _check_kv_format(None, kv_scale, None)
+        if dtype is not None:
+            raise ValueError("dtype: only a quantized cache takes one (the rows keep kv_cache's dtype)")
         _check_paged_cache(kv_cache)
         _check_block_table(block_table, batch)
+        return GatherSource(None, None, kv_cache.shape[1], kv_cache.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype: a {kv_format} cache needs the dtype of its rows (float16 or bfloat16; int8 / "
+                         f"int4 also store their scales in it), or an out to take it from")
+    scale = _check_kv_format(kv_format, kv_scale, dtype)
+    block_size = _check_quantized_paged_cache(kv_cache, kv_format, dtype)
+    _check_block_table(block_table, batch)
+    return GatherSource(kv_format, scale, block_size, dtype)
 
 
-def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows) -> None:
+def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows, block_size) -> None:
     """Host checks of device data (validate=True): cu_kv_lens, starts, out's rows, table coverage."""
     cu = cu_kv_lens.cpu().long()
     counts = cu.diff()
@@ -49,7 +77,7 @@ def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows) -> Non
                              f"block_ptrs' {kv_cache.block_ptrs.shape[0]} entries")
         _validate_table("cache.cu_block_nums", "starts", ends, counts, cu_b.diff(), kv_cache.block_seq_len)
         return
-    size = kv_cache.shape[1]
+    size = block_size
     _validate_table("block_table", "starts", ends, counts, torch.full_like(counts, block_table.shape[1]), size)
     table = block_table.cpu().long()
     column = torch.arange(table.shape[1])
@@ -63,8 +91,9 @@ def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows) -> Non
 
 
 def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.Tensor, *,
-              starts: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, validate: bool = False,
-              arch: Optional[str] = None) -> torch.Tensor:
+              starts: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+              kv_format: Optional[str] = None, kv_scale: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+              validate: bool = False, arch: Optional[str] = None) -> torch.Tensor:
     """Copies each sequence's cache rows into one packed tensor [total_kv, 576], latent first.
 
     kv_cache [num_blocks, block_size, 576] with block_table int32 [B, max_blocks], or a
@@ -80,6 +109,11 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     shorter than total_kv; ``validate=True`` raises for both before launching. A copy: fp16, bf16 and
     fp32 run on every arch tag (``arch`` forces "sm70", "sm75" or "sm80" for testing; "sm90" runs the
     sm80 kernel). CPU tensors run the reference, which always validates.
+    A quantized cache is dequantized into float16 / bfloat16 rows (the expanded route's input), equal to
+    mla_kv.reference.gather_kv(kv_format=...) bit for bit: a paged one is uint8 (the write_kv forms)
+    with kv_format, kv_scale (fp8) and dtype (its rows' and int8 / int4 scales' type; default out's);
+    a BlockPointerCache carries all three. out must then be 16-byte aligned with a row stride of a
+    multiple of 8 elements.
     Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
@@ -89,9 +123,11 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     if starts is not None:
         _check_lens("starts", starts, batch)
     blocks = isinstance(kv_cache, BlockPointerCache)
-    _check_gather_cache(kv_cache, block_table, batch)
+    if out is not None and kv_format is not None and dtype is None:
+        dtype = _tensor("out", out).dtype
+    source = _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype)
     if out is not None:
-        _tensor("out", out, dims=2, dtype=kv_cache.dtype, last_contiguous=True)
+        _tensor("out", out, dims=2, dtype=source.dtype, last_contiguous=True)
         _size("out", out, 1, ROW_DIM)
     device = _same_device(**{"cu_kv_lens": cu_kv_lens, "starts": starts,
                              "cache.block_ptrs": kv_cache.block_ptrs if blocks else None,
@@ -102,9 +138,12 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
         raise ValueError("cache: block-pointer ops run on CUDA tensors only; on the CPU use "
                          "mla_kv.reference.gather_kv_blocks with a layout.BlockPool")
     if validate:
-        _validate_gather(kv_cache, block_table, cu_kv_lens, starts, None if out is None else out.shape[0])
+        _validate_gather(kv_cache, block_table, cu_kv_lens, starts, None if out is None else out.shape[0],
+                         source.block_size)
     if device.type != "cuda":
-        rows = reference.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts)
+        quantized = {} if source.kv_format is None else dict(kv_format=source.kv_format, kv_scale=source.kv_scale,
+                                                             dtype=source.dtype)
+        rows = reference.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts, **quantized)
         if out is None:
             return rows
         _size("out", out, 0, rows.shape[0], at_least=True)
@@ -115,18 +154,19 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
         total = int(cu_kv_lens[-1])
         if total < 0:
             raise ValueError(f"cu_kv_lens: ends at {total}; it must start at 0 and be non-decreasing")
-        out = torch.empty(total, ROW_DIM, dtype=kv_cache.dtype, device=device)
-    _aligned("out", out, 2)
-    if not blocks:
+        out = torch.empty(total, ROW_DIM, dtype=source.dtype, device=device)
+    _aligned("out", out, 2 if source.kv_format is None else 8)
+    if not blocks and source.kv_format is None:
         _aligned("kv_cache", kv_cache, 2)
     p = _C.GatherKvParams()
-    p.dtype, p.batch, p.cu_kv_lens = _c_dtype(kv_cache.dtype), batch, cu_kv_lens.data_ptr()
+    p.dtype, p.batch, p.cu_kv_lens = _c_dtype(source.dtype), batch, cu_kv_lens.data_ptr()
     p.starts = 0 if starts is None else starts.data_ptr()
     p.out, p.out_rows, p.out_stride = out.data_ptr(), out.shape[0], out.stride(0)
     with torch.cuda.device(device):
         if blocks:
             _C.gather_kv_blocks(p, _blocks_cache(kv_cache), tag, _stream(device))
         else:
-            _C.gather_kv_paged(p, _paged_cache(kv_cache), block_table.data_ptr(), block_table.stride(0),
-                               block_table.shape[1], tag, _stream(device))
+            _C.gather_kv_paged(p, _paged_cache(kv_cache, source.kv_format, source.kv_scale, source.block_size),
+                               block_table.data_ptr(), block_table.stride(0), block_table.shape[1], tag,
+                               _stream(device))
     return out

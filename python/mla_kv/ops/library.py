@@ -18,11 +18,11 @@ the fused writes, workspace of the attention ops) have no default: pass None for
 176078), so a default would make the same call work on one torch and raise IndexError on another.
 Schemas (``(a!)``: written in place)::
 
-    write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *,
-             bool validate=False, str? arch=None) -> ()
+    write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *, str? kv_format=None,
+             float? kv_scale=None, bool validate=False, str? arch=None) -> ()
     fused_write_kv(Tensor kv_a, Tensor rms_weight, float eps, Tensor positions, Tensor cos_sin_cache,
-                   Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q, *,
-                   str rope_style="interleaved", bool validate=False, str? arch=None) -> ()
+                   Tensor(a!) kv_cache, Tensor slot_mapping, Tensor(b!)? q, *, str rope_style="interleaved",
+                   str? kv_format=None, float? kv_scale=None, bool validate=False, str? arch=None) -> ()
     write_kv_blocks(Tensor kv_c, Tensor k_pe, Tensor(a!) block_ptrs, Tensor cu_block_nums,
                     SymInt block_seq_len, SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens,
                     Tensor? readonly_lens=None, *, <cache keywords>, SymInt cp_size=1, SymInt cp_rank=0,
@@ -47,12 +47,13 @@ Schemas (``(a!)``: written in place)::
                    bool validate=False, str? arch=None) -> (Tensor, Tensor)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
     gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
-              bool validate=False, str? arch=None) -> ()
+              str? kv_format=None, float? kv_scale=None, bool validate=False, str? arch=None) -> ()
     gather_kv_blocks(Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len, SymInt layer_offset_bytes,
                      Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *, <cache keywords>,
                      bool validate=False, str? arch=None) -> ()
 
-    <cache keywords>    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None
+    <cache keywords>    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None,
+                        str? kv_format=None, float? kv_scale=None
     <schedule keywords> SymInt? num_splits=None, SymInt? tokens_per_split=None, SymInt[]? smem_limits=None,
                         str tile_loads="auto"
 
@@ -108,8 +109,10 @@ def block_pointer_args(cache: BlockPointerCache) -> tuple:
 
 
 def block_pointer_kwargs(cache: BlockPointerCache) -> dict:
-    """The keyword arguments that complete ``cache`` in the _blocks ops: dtype, rope_first, row_stride_bytes."""
-    return dict(dtype=cache.dtype, rope_first=cache.rope_first, row_stride_bytes=cache.row_stride_bytes)
+    """The keyword arguments that complete ``cache`` in the _blocks ops: dtype, rope_first, row_stride_bytes,
+    kv_format, kv_scale."""
+    return dict(dtype=cache.dtype, rope_first=cache.rope_first, row_stride_bytes=cache.row_stride_bytes,
+                kv_format=cache.kv_format, kv_scale=cache.kv_scale)
 
 
 def schedule_kwargs(schedule: _attention.AttentionSchedule) -> dict:
@@ -121,12 +124,12 @@ def schedule_kwargs(schedule: _attention.AttentionSchedule) -> dict:
 
 
 def _cache(like: Tensor, like_name: str, block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype,
-           rope_first, row_stride_bytes) -> BlockPointerCache:
+           rope_first, row_stride_bytes, kv_format, kv_scale) -> BlockPointerCache:
     """The BlockPointerCache of flattened cache arguments; dtype None: ``like``'s."""
     if dtype is None:
         dtype = _tensor(like_name, like).dtype
     return BlockPointerCache(block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                             row_stride_bytes)
+                             row_stride_bytes, kv_format, kv_scale)
 
 
 def _schedule(q: Tensor, dims: int, num_splits, tokens_per_split, smem_limits,
@@ -148,28 +151,32 @@ def _schedule(q: Tensor, dims: int, num_splits, tokens_per_split, smem_limits,
 
 
 # ---------------------------------------------------------------------------------- writes
-def write_kv(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *, validate: bool = False,
-             arch: Optional[str] = None) -> None:
+def write_kv(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *, kv_format: Optional[str] = None,
+             kv_scale: Optional[float] = None, validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.write_kv."""
-    _write.write_kv(kv_c, k_pe, kv_cache, slot_mapping, validate=validate, arch=arch)
+    _write.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=kv_scale, validate=validate,
+                    arch=arch)
 
 
 def fused_write_kv(kv_a: Tensor, rms_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
                    kv_cache: Tensor, slot_mapping: Tensor, q: Optional[Tensor], *,
-                   rope_style: str = "interleaved", validate: bool = False, arch: Optional[str] = None) -> None:
+                   rope_style: str = "interleaved", kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+                   validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.fused_write_kv (q positional)."""
     _write.fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping,
-                          rope_style=rope_style, q=q, validate=validate, arch=arch)
+                          rope_style=rope_style, q=q, kv_format=kv_format, kv_scale=kv_scale, validate=validate,
+                          arch=arch)
 
 
 def write_kv_blocks(kv_c: Tensor, k_pe: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
                     layer_offset_bytes: int, cu_q_lens: Tensor, history_lens: Tensor,
                     readonly_lens: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None,
-                    rope_first: bool = True, row_stride_bytes: Optional[int] = None, cp_size: int = 1,
+                    rope_first: bool = True, row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                    kv_scale: Optional[float] = None, cp_size: int = 1,
                     cp_rank: int = 0, validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.write_kv_blocks with the cache flattened (readonly_lens positional)."""
     cache = _cache(kv_c, "kv_c", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                   row_stride_bytes)
+                   row_stride_bytes, kv_format, kv_scale)
     _write.write_kv_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, readonly_lens=readonly_lens,
                            cp_size=cp_size, cp_rank=cp_rank, validate=validate, arch=arch)
 
@@ -179,11 +186,12 @@ def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, position
                           cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor],
                           readonly_lens: Optional[Tensor] = None, *, rope_style: str = "interleaved",
                           dtype: Optional[torch.dtype] = None, rope_first: bool = True,
-                          row_stride_bytes: Optional[int] = None, cp_size: int = 1, cp_rank: int = 0,
+                          row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                          kv_scale: Optional[float] = None, cp_size: int = 1, cp_rank: int = 0,
                           validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.fused_write_kv_blocks with the cache flattened (q and readonly_lens positional)."""
     cache = _cache(kv_a, "kv_a", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                   row_stride_bytes)
+                   row_stride_bytes, kv_format, kv_scale)
     _write.fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache, cache, cu_q_lens, history_lens,
                                  rope_style=rope_style, q=q, readonly_lens=readonly_lens, cp_size=cp_size,
                                  cp_rank=cp_rank, validate=validate, arch=arch)
@@ -203,13 +211,14 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
 def decode_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
                   layer_offset_bytes: int, seq_lens: Tensor, softmax_scale: float,
                   workspace: Optional[Tensor], *, dtype: Optional[torch.dtype] = None,
-                  rope_first: bool = True, row_stride_bytes: Optional[int] = None, num_splits: Optional[int] = None,
+                  rope_first: bool = True, row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                    kv_scale: Optional[float] = None, num_splits: Optional[int] = None,
                   tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
                   tile_loads: str = "auto", validate: bool = False,
                   arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.decode over a BlockPointerCache -> (out, lse), with the cache and the schedule flattened."""
     cache = _cache(q, "q", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                   row_stride_bytes)
+                   row_stride_bytes, kv_format, kv_scale)
     return decode(q, cache, None, seq_lens, softmax_scale, workspace, num_splits=num_splits,
                   tokens_per_split=tokens_per_split, smem_limits=smem_limits, tile_loads=tile_loads,
                   validate=validate, arch=arch)
@@ -230,13 +239,14 @@ def prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor,
 def prefill_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
                    layer_offset_bytes: int, cu_q_lens: Tensor, kv_lens: Tensor, softmax_scale: float,
                    workspace: Optional[Tensor], *, causal: bool = True, dtype: Optional[torch.dtype] = None,
-                   rope_first: bool = True, row_stride_bytes: Optional[int] = None,
+                   rope_first: bool = True, row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                    kv_scale: Optional[float] = None,
                    num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
                    smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
                    arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.prefill over a BlockPointerCache -> (out, lse), with the cache and the schedule flattened."""
     cache = _cache(q, "q", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                   row_stride_bytes)
+                   row_stride_bytes, kv_format, kv_scale)
     return prefill(q, cache, None, cu_q_lens, kv_lens, softmax_scale, workspace, causal=causal,
                    num_splits=num_splits, tokens_per_split=tokens_per_split, smem_limits=smem_limits,
                    tile_loads=tile_loads, validate=validate, arch=arch)
@@ -249,19 +259,22 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
 
 # ---------------------------------------------------------------------------------- gather
 def gather_kv(kv_cache: Tensor, block_table: Tensor, cu_kv_lens: Tensor, out: Tensor,
-              starts: Optional[Tensor] = None, *, validate: bool = False, arch: Optional[str] = None) -> None:
-    """mla_kv.gather_kv into ``out`` (required: a fake cannot read cu_kv_lens[-1], the row count)."""
-    _gather.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts, out=out, validate=validate, arch=arch)
+              starts: Optional[Tensor] = None, *, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+              validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.gather_kv into ``out`` (required: a fake cannot read cu_kv_lens[-1], the row count; a
+    quantized cache's rows take out's dtype)."""
+    _gather.gather_kv(kv_cache, block_table, cu_kv_lens, starts=starts, out=out, kv_format=kv_format,
+                      kv_scale=kv_scale, validate=validate, arch=arch)
 
 
 def gather_kv_blocks(block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int, layer_offset_bytes: int,
                      cu_kv_lens: Tensor, out: Tensor, starts: Optional[Tensor] = None, *,
                      dtype: Optional[torch.dtype] = None, rope_first: bool = True,
-                     row_stride_bytes: Optional[int] = None, validate: bool = False,
-                     arch: Optional[str] = None) -> None:
+                     row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                     kv_scale: Optional[float] = None, validate: bool = False, arch: Optional[str] = None) -> None:
     """mla_kv.gather_kv over a BlockPointerCache into ``out`` (required), with the cache flattened."""
     cache = _cache(out, "out", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
-                   row_stride_bytes)
+                   row_stride_bytes, kv_format, kv_scale)
     _gather.gather_kv(cache, None, cu_kv_lens, starts=starts, out=out, validate=validate, arch=arch)
 
 

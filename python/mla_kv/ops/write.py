@@ -10,8 +10,9 @@ import torch
 from .. import reference
 from .._checks import integer, real
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_paged_cache,
-                      _kernel_arch, _paged_cache, _same_device, _size, _stream, _tensor)
+from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_kv_format,
+                      _check_paged_cache, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device,
+                      _size, _stream, _tensor)
 
 _ROPE_STYLES = ("interleaved", "neox")
 
@@ -86,50 +87,89 @@ def _params(kv_c, k_pe, num_tokens, fused=None):
     return p
 
 
-def _write_paged(kv_c, k_pe, kv_cache, slot_mapping, fused, validate, arch) -> bool:
+@dataclass(frozen=True)
+class PagedTarget:
+    """A paged cache as a write sees it: the tensor, its format (None: values of the cache's dtype) and
+    fp8 scale, its block size, and the rows' dtype (the inputs'; for int8 / int4 also the scales')."""
+
+    kv_cache: torch.Tensor
+    kv_format: Optional[str]
+    kv_scale: Optional[float]
+    block_size: int
+    dtype: torch.dtype
+
+
+def _check_paged_target(kv_cache, kv_format, kv_scale, rows_name, rows) -> PagedTarget:
+    if kv_format is None:
+        _check_kv_format(None, kv_scale, None)
+        _check_paged_cache(kv_cache)
+        return PagedTarget(kv_cache, None, None, kv_cache.shape[1], kv_cache.dtype)
+    dtype = _tensor(rows_name, rows).dtype
+    scale = _check_kv_format(kv_format, kv_scale, dtype, names=("kv_format", "kv_scale", rows_name))
+    return PagedTarget(kv_cache, kv_format, scale, _check_quantized_paged_cache(kv_cache, kv_format, dtype), dtype)
+
+
+def _input_alignment(kv_format) -> int:
+    """Elements the kernels read at a time at least: quantized rows are written from 16-byte vectors."""
+    return 2 if kv_format is None else 8
+
+
+def _write_paged(kv_c, k_pe, target: PagedTarget, slot_mapping, fused, validate, arch) -> bool:
     """Launches the kernel for CUDA tensors; returns False when the caller must run the reference."""
+    kv_cache = target.kv_cache
     num_tokens = slot_mapping.shape[0]
     if validate and num_tokens:
-        capacity = kv_cache.shape[0] * kv_cache.shape[1]
+        capacity = kv_cache.shape[0] * target.block_size
         if int(slot_mapping.max()) >= capacity:
             raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} >= cache capacity {capacity}")
         if fused is not None:
             _validate_positions(fused.positions, num_tokens, fused.cos_sin_cache)
     if kv_cache.device.type != "cuda":
         return False
-    tag = _kernel_arch(kv_cache.device, kv_cache.dtype, arch)
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
-        _aligned(name, t, 2)
-    if fused is not None and fused.q is not None:
-        _aligned("q", fused.q, 2)
+    tag = _kernel_arch(kv_cache.device, target.dtype, arch)
+    elems = _input_alignment(target.kv_format)
+    inputs = [("kv_c", kv_c), ("k_pe", k_pe)] + ([] if target.kv_format else [("kv_cache", kv_cache)])
+    if fused is not None:
+        inputs += [("q", fused.q)] + ([("rms_weight", fused.rms_weight)] if target.kv_format else [])
+    for name, t in inputs:
+        if t is not None:
+            _aligned(name, t, elems)
     with torch.cuda.device(kv_cache.device):
-        _C.write_kv_paged(_params(kv_c, k_pe, num_tokens, fused), _paged_cache(kv_cache),
+        _C.write_kv_paged(_params(kv_c, k_pe, num_tokens, fused),
+                          _paged_cache(kv_cache, target.kv_format, target.kv_scale, target.block_size),
                           slot_mapping.data_ptr(), tag, _stream(kv_cache.device))
     return True
 
 
 def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, validate: bool = False, arch: Optional[str] = None) -> None:
+             slot_mapping: torch.Tensor, *, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+             validate: bool = False, arch: Optional[str] = None) -> None:
     """Writes rows [kv_c | k_pe] (already normalized and rotated) into a paged cache, in place.
 
     kv_c [>=T, 512], k_pe [>=T, 64] (any row strides, last dim contiguous), kv_cache
     [num_blocks, block_size, 576] (fp16, bf16 on sm80+, fp32; same dtype as the inputs), slot_mapping
     int64 [T]: token t goes to slot slot_mapping[t] = block * block_size + offset; negative slots are
     padded tokens and are skipped. Reference: mla_kv.reference.write_kv.
+    kv_format (mla_kv.layout.KV_FORMATS): a quantized uint8 cache, [num_blocks, block_size, row_bytes]
+    for "fp8" / "fp8_ds_mla", [num_blocks, block_bytes] for "int8" / "int4" (layout.block_bytes), written
+    from float16 / bfloat16 inputs (int8 / int4 store their scale and zero in that dtype) whose
+    addresses and strides are multiples of 8 elements; kv_scale: fp8's dequant scale. The bytes equal
+    mla_kv.reference.quant's quantizer's (round half to even everywhere).
     ``arch`` forces a kernel variant ("sm70", "sm75", "sm80"; "sm90" runs the sm80 kernel) for
     testing; ``validate`` checks slot values on the host first.
     """
-    _check_paged_cache(kv_cache)
+    target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_c", kv_c)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
-    _check_rows(kv_c, k_pe, slot_mapping.shape[0], kv_cache.dtype)
+    _check_rows(kv_c, k_pe, slot_mapping.shape[0], target.dtype)
     _same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
-    if not _write_paged(kv_c, k_pe, kv_cache, slot_mapping, None, validate, arch):
-        reference.write_kv(kv_c, k_pe, kv_cache, slot_mapping)
+    if not _write_paged(kv_c, k_pe, target, slot_mapping, None, validate, arch):
+        reference.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=target.kv_scale)
 
 
 def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                    rope_style: str = "interleaved", q: Optional[torch.Tensor] = None,
+                   kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
                    validate: bool = False, arch: Optional[str] = None) -> None:
     """RMSNorm + RoPE + paged cache write of the kv_a projection output in one launch, in place.
 
@@ -137,22 +177,23 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
     slice of a fused projection); rms_weight [512] (kv_a's dtype); eps >= 0 (a number as decode's
     softmax_scale); positions int64 [>=T];
     cos_sin_cache [max_position, 64] (float32 or kv_a's dtype, from mla_kv.rope.cos_sin_cache);
-    kv_cache / slot_mapping as in write_kv. q [>=T, H, D] (optional, any strides, last dim
-    contiguous): its last 64 values per head are rotated in place. Tokens whose position is outside
+    kv_cache / slot_mapping / kv_format / kv_scale as in write_kv (a quantized row is the normalized,
+    rotated row rounded to kv_a's dtype, then quantized). q [>=T, H, D] (optional, any strides, last
+    dim contiguous): its last 64 values per head are rotated in place. Tokens whose position is outside
     [0, max_position) are left unwritten by the kernels (``validate=True`` raises instead).
     Reference: mla_kv.reference.fused_write_kv.
     """
-    _check_paged_cache(kv_cache)
+    target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_a", kv_a)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     t = slot_mapping.shape[0]
-    eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, t, rope_style, q, kv_cache.dtype)
+    eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, t, rope_style, q, target.dtype)
     _same_device(kv_cache=kv_cache, kv_a=kv_a, rms_weight=rms_weight, positions=positions,
                  cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping, q=q)
     fused = FusedWriteArgs(rms_weight, eps, positions, cos_sin_cache, rope_style, q)
-    if not _write_paged(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], kv_cache, slot_mapping, fused,
+    if not _write_paged(kv_a[:, :LATENT_DIM], kv_a[:, LATENT_DIM:], target, slot_mapping, fused,
                         validate, arch):
         reference.fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping,
-                                 rope_style=rope_style, q=q)
+                                 rope_style=rope_style, q=q, kv_format=kv_format, kv_scale=target.kv_scale)
 
 
 # --------------------------------------------------------------------------- block pointers
@@ -168,7 +209,7 @@ class BlockWriteTargets:
 
 
 def _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, dtype) -> BlockWriteTargets:
-    _check_block_pointer_cache(cache, dtype)
+    _check_block_pointer_cache(cache, dtype, quantized_ok=True)
     _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
     _size("cu_q_lens", cu_q_lens, 0, cache.batch + 1)
@@ -222,10 +263,13 @@ def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arc
         if fused is not None:
             _validate_positions(fused.positions, kv_c.shape[0], fused.cos_sin_cache)
     tag = _kernel_arch(device, kv_c.dtype, arch)
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        _aligned(name, t, 2)
-    if fused is not None and fused.q is not None:
-        _aligned("q", fused.q, 2)
+    elems = _input_alignment(cache.kv_format)
+    inputs = [("kv_c", kv_c), ("k_pe", k_pe)]
+    if fused is not None:
+        inputs += [("q", fused.q)] + ([("rms_weight", fused.rms_weight)] if cache.kv_format else [])
+    for name, t in inputs:
+        if t is not None:
+            _aligned(name, t, elems)
     targets = _C.BlockWriteTargets()
     targets.cu_q_lens, targets.history_lens = to.cu_q_lens.data_ptr(), to.history_lens.data_ptr()
     targets.readonly_lens = 0 if to.readonly_lens is None else to.readonly_lens.data_ptr()
@@ -250,6 +294,9 @@ def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerC
     token, whose row is already in the shared block). cp_size / cp_rank (context parallelism): the
     token at global position p belongs to rank p % cp_size, at local row p // cp_size of this rank's
     blocks; this rank writes only its own tokens, and readonly_lens counts local rows.
+    A quantized cache (cache.kv_format, cache.kv_scale) is written as write_kv writes one; an int8 /
+    int4 row's (scale, zero) pair sits at the layer region's byte block_seq_len * row_stride_bytes +
+    4 * row.
     Reference: mla_kv.reference.write_kv on a layout.BlockPool layer view with layout.block_slots.
     """
     _tensor("kv_c", kv_c, dims=2, last_contiguous=True)

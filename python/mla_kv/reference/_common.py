@@ -90,7 +90,7 @@ def _paged_from_blocks(pool: BlockPool, layer: int, block_ids: torch.Tensor,
     """
     if not isinstance(pool, BlockPool):
         raise TypeError(f"pool: expected a mla_kv.layout.BlockPool, got {type(pool).__name__}")
-    num_layers = pool.storage.shape[1]
+    num_layers = pool.num_layers
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: must be in [0, {num_layers}), got {layer}")
     ids = _check_index("block_ids", block_ids, 1)

@@ -53,9 +53,10 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows: the last dim must be {ROW_DIM}, got shape {tuple(rows.shape)}")
 
 
-def _check_scale(kv_scale) -> float:
+def check_kv_scale(kv_scale, name: str = "kv_scale") -> float:
+    """fp8's dequant scale as a float: finite and > 0."""
     if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not 0 < float(kv_scale) < float("inf"):
-        raise ValueError(f"kv_scale: the fp8 format needs a finite dequant scale > 0, got {kv_scale!r}")
+        raise ValueError(f"{name}: the fp8 format needs a finite dequant scale > 0, got {kv_scale!r}")
     return float(kv_scale)
 
 
@@ -89,7 +90,7 @@ def quantize_rows(rows: torch.Tensor, kv_format: str, *, kv_scale: Optional[floa
     _check_rows(rows)
     x = rows.float()
     if kv_format == "fp8":
-        return e4m3_codes(x / _check_scale(kv_scale))
+        return e4m3_codes(x / check_kv_scale(kv_scale))
     if kv_format == "fp8_ds_mla":
         tiles = x[..., :LATENT_DIM].reshape(*x.shape[:-1], DS_TILES, DS_TILE)
         scale = torch.clamp(tiles.abs().amax(-1) / E4M3_MAX, min=FLT_MIN)
@@ -119,7 +120,7 @@ def dequantize_rows(data: torch.Tensor, kv_format: str, *, kv_scale: Optional[fl
         raise ValueError(f"data: expected uint8 [..., {row_bytes(kv_format)}] for {kv_format}, got "
                          f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
     if kv_format == "fp8":
-        return e4m3_values(data) * _check_scale(kv_scale)
+        return e4m3_values(data) * check_kv_scale(kv_scale)
     if kv_format == "fp8_ds_mla":
         lead = data.shape[:-1]
         codes = e4m3_values(data[..., :LATENT_DIM].contiguous()).reshape(*lead, DS_TILES, DS_TILE)
@@ -163,8 +164,9 @@ def unpack_blocks(blocks: torch.Tensor, kv_format: str, block_size: int,
 
 
 # ------------------------------------------------------------------------------ paged caches
-def _check_cache(kv_cache: torch.Tensor, kv_format: str, scale_dtype: torch.dtype) -> int:
-    """The block size of a quantized paged cache: uint8 [num_blocks, block_size, row_bytes] for the
+def cache_block_size(kv_cache: torch.Tensor, kv_format: str, scale_dtype: torch.dtype) -> int:
+    """Checks a quantized paged cache and returns its block size (TypeError / ValueError naming
+    kv_cache otherwise): uint8 [num_blocks, block_size, row_bytes] for the
     per-row formats, uint8 [num_blocks, block_bytes] (rows, then the trailer) for int8 / int4."""
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.uint8:
         raise TypeError(f"kv_cache: a {kv_format} cache is uint8, got {getattr(kv_cache, 'dtype', type(kv_cache))}")
@@ -184,7 +186,7 @@ def dequantize_cache(kv_cache: torch.Tensor, kv_format: str, *, kv_scale: Option
                      scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Every row of a quantized paged cache as float32 [num_blocks, block_size, 576]: what the
     attention and gather kernels read from it (scale_dtype: the 16-bit type of int8 / int4 scales)."""
-    block_size = _check_cache(kv_cache, kv_format, scale_dtype)
+    block_size = cache_block_size(kv_cache, kv_format, scale_dtype)
     if kv_format in TRAILER_FORMATS:
         codes, sz = unpack_blocks(kv_cache, kv_format, block_size, scale_dtype)
         return dequantize_rows(codes, kv_format, scale_zero=sz)
@@ -199,7 +201,7 @@ def write_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.T
     if kv_format in TRAILER_FORMATS and rows.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"rows: {kv_format} stores its scale and zero in the rows' 16-bit dtype, got {rows.dtype}")
     scale_dtype = rows.dtype if rows.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    block_size = _check_cache(kv_cache, kv_format, scale_dtype)
+    block_size = cache_block_size(kv_cache, kv_format, scale_dtype)
     keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * block_size)
     slots, rows = slot_mapping[keep].long(), rows[keep]
     blocks, offsets = slots // block_size, slots % block_size

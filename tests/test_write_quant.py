@@ -1,0 +1,270 @@
+"""Quantizing writes (kv_format "fp8", "fp8_ds_mla", "int8", "int4"): write_kv, fused_write_kv and the
+block-pointer forms into quantized caches.
+
+Two checks per written row, both against bytes the test reads itself:
+- the bytes equal mla_kv.reference.quant's quantizer applied to the row the 16-bit op writes (the
+  spec; for the fused writes the row the same kernel variant writes into a 16-bit cache, whose
+  RMSNorm and RoPE test_write.py checks against float64);
+- the values decoded by this file's own reader, written from the byte layouts of
+  ../shared/notes/facts.md (not with the library's dequantizer), lie within half a quantization step
+  of that row.
+Every other byte of the cache (other rows, other layers, the trailer pairs of other rows) keeps its
+value. CPU tests cover the argument checks and the CPU path (the reference).
+"""
+import pytest
+import torch
+
+import mla_kv
+from mla_kv import layout, reference
+from mla_kv.reference import quant
+from mla_kv.rope import cos_sin_cache
+
+from gpu_checks import same_bytes
+from quant_bytes import KV_SCALE, decode_rows, step
+
+GPU = pytest.mark.gpu
+pytestmark = pytest.mark.arch_variants("best", "sm70", bf16_needs_sm80=True)
+
+FORMATS = ["fp8", "fp8_ds_mla", "int8", "int4"]
+# -------------------------------------------------------------------------------- targets
+class PagedTarget:
+    """A quantized paged cache between canary blocks, its slots and its rows' bytes."""
+
+    def __init__(self, kv_format, dtype, num_blocks, block_size, gen):
+        self.kv_format, self.dtype, self.block_size = kv_format, dtype, block_size
+        shape = ((num_blocks + 2, layout.block_bytes(kv_format, block_size, dtype)) if kv_format in layout.TRAILER_FORMATS
+                 else (num_blocks + 2, block_size, layout.row_bytes(kv_format)))
+        self.storage = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).cuda()
+        self.cache = self.storage[1:-1]
+
+    def rows_and_pairs(self, storage):
+        """Every row's bytes [capacity, row_bytes] and (scale, zero) bytes [capacity, 4] (None: none)."""
+        body = storage[1:-1]
+        rb = layout.row_bytes(self.kv_format)
+        if self.kv_format not in layout.TRAILER_FORMATS:
+            return body.reshape(-1, rb), None
+        rows = body[:, :self.block_size * rb].reshape(-1, rb)
+        return rows, body[:, self.block_size * rb:].reshape(-1, 4)
+
+    def expect(self, before, rows_stored, slots):
+        """The storage after writing rows (stored order) at slots by the spec."""
+        want = before.clone()
+        quant.write_rows(want[1:-1], rows_stored, slots, self.kv_format, kv_scale=self.scale())
+        return want
+
+    def scale(self):
+        return KV_SCALE if self.kv_format == "fp8" else None
+
+
+def quant_inputs(num_tokens, dtype, gen, row_stride=640):
+    wide = torch.randn(num_tokens, row_stride, generator=gen).to("cuda", dtype)
+    kv_a = wide[:, row_stride - 576:]
+    # a few rows with a wide range (int8 / int4 spread, fp8 saturation, fp8_ds_mla tile scales)
+    kv_a[::7] *= 40
+    kv_a[3::11, :128] *= 1e-3
+    q = torch.randn(num_tokens, 3, 192, generator=gen).to("cuda", dtype)
+    weight = (torch.rand(512, generator=gen) + 0.5).to("cuda", dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).cuda()
+    return kv_a, q, weight, positions
+
+
+def rows16(fused, kv_a, weight, positions, cs, arch):
+    """The 16-bit rows [T, 576] (latent first) the same kernel variant writes: the rows to quantize."""
+    t = kv_a.shape[0]
+    cache = torch.full((1, t, 576), float("nan"), dtype=kv_a.dtype, device="cuda")
+    slots = torch.arange(t, device="cuda")
+    if fused:
+        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, arch=arch)
+    else:
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, slots, arch=arch)
+    return cache[0]
+
+
+def check_rows(target, got_storage, want_storage, rows_stored, slots, what):
+    """Bytes equal the spec's; this file's reader decodes the written rows to within half a step."""
+    if not same_bytes(got_storage, want_storage):
+        got_rows, got_pairs = target.rows_and_pairs(got_storage)
+        want_rows, want_pairs = target.rows_and_pairs(want_storage)
+        bad = (got_rows != want_rows).any(-1)
+        if got_pairs is not None:
+            bad |= (got_pairs != want_pairs).any(-1)
+        first = int(bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} rows differ from the spec's bytes, first at slot {first}; "
+                             f"untouched slots differ: {bool(bad[~written_mask(slots, bad.shape[0])].any())}")
+    got_rows, got_pairs = target.rows_and_pairs(got_storage)
+    keep = slots >= 0
+    s = slots[keep]
+    values = decode_rows(got_rows[s], target.kv_format, None if got_pairs is None else got_pairs[s], target.dtype)
+    want = rows_stored[keep].double()
+    err = (values - want).abs() - step(want, target.kv_format)
+    assert not torch.isnan(values).any(), f"{what}: NaN decoded"
+    assert float(err.max()) <= 1e-9 * float(want.abs().max()), f"{what}: a decoded value is off by more than half a step"
+
+
+def written_mask(slots, capacity):
+    mask = torch.zeros(capacity, dtype=torch.bool, device=slots.device)
+    mask[slots[slots >= 0]] = True
+    return mask
+
+
+# ------------------------------------------------------------------------------------ GPU
+@GPU
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_quantized_write(kv_format, dtype, fused, block_size, arch):
+    gen = torch.Generator().manual_seed(FORMATS.index(kv_format) * 17 + fused + block_size)
+    num_tokens, num_blocks = 150, 12
+    target = PagedTarget(kv_format, dtype, num_blocks, block_size, gen)
+    kv_a, q, weight, positions = quant_inputs(num_tokens, dtype, gen)
+    cs = cos_sin_cache(64, 4096, 1e4, device="cuda")
+    perm = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots = torch.where(torch.arange(num_tokens) % 9 == 4, -1, perm).cuda()
+    before, q_kernel = target.storage.clone(), q.clone()
+    if fused:
+        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, target.cache, slots, q=q_kernel, kv_format=kv_format,
+                              kv_scale=target.scale(), arch=arch)
+    else:
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], target.cache, slots, kv_format=kv_format,
+                        kv_scale=target.scale(), arch=arch)
+    rows = rows16(fused, kv_a, weight, positions, cs, arch)
+    check_rows(target, target.storage, target.expect(before, rows, slots), rows, slots,
+               f"{kv_format} {'fused' if fused else 'plain'} write")
+    if fused:  # q is rotated as by the 16-bit fused write
+        q_16 = q.clone()
+        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, torch.empty(1, 1, 576, dtype=dtype, device="cuda"),
+                              torch.full((num_tokens,), -1, device="cuda"), q=q_16, arch=arch)
+        assert same_bytes(q_kernel, q_16), "q rotated differently"
+
+
+@GPU
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_block_pointer_quantized_write(kv_format, dtype, fused, arch):
+    """A TurboMind-style pool whose block holds a 16-bit layer, then the quantized layer (rows, then for
+    int8 / int4 the block's (scale, zero) pairs), then another 16-bit layer; rows rope first (latent first
+    for fp8_ds_mla). Sequences with history, read-only rows and a padded batch."""
+    gen = torch.Generator().manual_seed(FORMATS.index(kv_format) * 5 + fused + 100)
+    bsl, num_blocks = 32, 14
+    rope_first = kv_format != "fp8_ds_mla"
+    plain = layout.block_bytes(None, bsl, dtype)
+    region = layout.block_bytes(kv_format, bsl, dtype)
+    region_padded = -(-region // 16) * 16
+    block = plain + region_padded + plain
+    storage = torch.randint(0, 256, (num_blocks, block), generator=gen, dtype=torch.uint8).cuda()
+    q_lens, hist, readonly = [40, 1, 0, 25], [0, 70, 3, 31], [0, 64, 0, 32]
+    counts = [-(-(h + n) // bsl) for h, n in zip(hist, q_lens)]
+    ids = torch.randperm(num_blocks, generator=gen)[:sum(counts)]
+    cu_blocks = torch.tensor([0] + counts).cumsum(0).int()
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+    cache = layout.BlockPointerCache(
+        block_ptrs=(storage.data_ptr() + ids.long() * block).cuda(), cu_block_nums=cu_blocks.cuda(),
+        block_seq_len=bsl, layer_offset_bytes=plain, dtype=dtype, rope_first=rope_first, kv_format=kv_format,
+        kv_scale=KV_SCALE if kv_format == "fp8" else None)
+    total = int(cu_q[-1])
+    kv_a, q, weight, positions = quant_inputs(total + 3, dtype, gen)
+    cs = cos_sin_cache(64, 4096, 1e4, device="cuda")
+    hist_t, readonly_t = torch.tensor(hist, dtype=torch.int32), torch.tensor(readonly, dtype=torch.int32)
+    before = storage.clone()
+    args = (cache, cu_q.cuda(), hist_t.cuda())
+    if fused:
+        mla_kv.fused_write_kv_blocks(kv_a, weight, 1e-6, positions, cs, *args, q=q, readonly_lens=readonly_t.cuda(),
+                                     arch=arch, validate=True)
+    else:
+        mla_kv.write_kv_blocks(kv_a[:, :512], kv_a[:, 512:], *args, readonly_lens=readonly_t.cuda(), arch=arch,
+                               validate=True)
+    slots = layout.block_slots(cu_q, hist_t, cu_blocks, ids, bsl, readonly_lens=readonly_t).cuda()
+    assert int((slots >= 0).sum()) == total - 1, "the case writes every token but one read-only row"
+    rows = rows16(fused, kv_a[:total], weight, positions[:total], cs, arch)
+    stored = layout.to_rope_first(rows) if rope_first else rows
+
+    class Region(PagedTarget):  # the quantized layer of every block, as a paged cache between no canaries
+        def __init__(self):
+            self.kv_format, self.dtype, self.block_size = kv_format, dtype, bsl
+
+        def rows_and_pairs(self, s):
+            return PagedTarget.rows_and_pairs(self, torch.nn.functional.pad(self.view(s), (0, 0) * (self.view(s).dim() - 1) + (1, 1)))
+
+        def view(self, s):
+            r = s[:, plain:plain + region]  # a view: the spec writes through it
+            return r if kv_format in layout.TRAILER_FORMATS else r.unflatten(1, (bsl, -1))
+
+    target = Region()
+    want = before.clone()
+    quant.write_rows(target.view(want), stored, slots, kv_format, kv_scale=target.scale())
+    for name, span in (("the first 16-bit layer", slice(0, plain)), ("the last 16-bit layer", slice(plain + region, block))):
+        assert same_bytes(storage[:, span], before[:, span]), f"{name} changed"
+    check_rows(target, storage, want, stored, slots, f"{kv_format} block-pointer {'fused' if fused else 'plain'} write")
+
+
+# ------------------------------------------------------------------------------------ CPU
+def test_cpu_write_is_the_reference_quantizer():
+    """CPU tensors run the reference: the bytes are quant.write_rows' of the rows."""
+    gen = torch.Generator().manual_seed(3)
+    kv_a = torch.randn(9, 576, generator=gen).half()
+    for kv_format in FORMATS:
+        shape = ((2, layout.block_bytes(kv_format, 8, torch.float16)) if kv_format in layout.TRAILER_FORMATS
+                 else (2, 8, layout.row_bytes(kv_format)))
+        cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        want = cache.clone()
+        slots = torch.tensor([3, -1, 0, 15, 8, 9, 10, 11, 2])
+        scale = KV_SCALE if kv_format == "fp8" else None
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, slots, kv_format=kv_format, kv_scale=scale)
+        quant.write_rows(want, kv_a, slots, kv_format, kv_scale=scale)
+        assert torch.equal(cache, want), kv_format
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(kv_format="fp4"), ValueError, "kv_format"),
+    (dict(kv_format="fp8"), ValueError, "kv_scale"),
+    (dict(kv_format="fp8", kv_scale=0.0), ValueError, "kv_scale"),
+    (dict(kv_format="int8", kv_scale=1.0), ValueError, "kv_scale"),
+    (dict(kv_scale=1.0), ValueError, "kv_scale"),
+])
+def test_quantized_write_arguments_name_the_argument(kwargs, error, name):
+    cache = torch.zeros(2, 8, 576, dtype=torch.uint8)
+    kv_a = torch.randn(3, 576).half()
+    with pytest.raises(error, match=name):
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, torch.arange(3), **kwargs)
+
+
+def test_quantized_caches_are_checked():
+    kv_a = torch.randn(3, 576)
+    with pytest.raises(TypeError, match="kv_c"):  # float32 rows: int8 stores 16-bit scales
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], torch.zeros(2, 8 * 580, dtype=torch.uint8), torch.arange(3),
+                        kv_format="int8")
+    half = kv_a.half()
+    with pytest.raises(ValueError, match="kv_cache"):  # an fp8 cache has 576-byte rows
+        mla_kv.write_kv(half[:, :512], half[:, 512:], torch.zeros(2, 8, 656, dtype=torch.uint8), torch.arange(3),
+                        kv_format="fp8", kv_scale=1.0)
+    with pytest.raises(TypeError, match="kv_cache"):
+        mla_kv.write_kv(half[:, :512], half[:, 512:], torch.zeros(2, 8, 576, dtype=torch.float16), torch.arange(3),
+                        kv_format="fp8", kv_scale=1.0)
+
+
+def test_block_pointer_cache_formats_are_checked():
+    pool = layout.BlockPool(2, 1, 16, torch.float16)
+    base = pool.cache(0, torch.tensor([1]), torch.tensor([0, 1]))
+    cu, hist = torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    kv_a = torch.randn(3, 576).half()
+
+    def write(**cache_fields):
+        fields = dict(block_ptrs=base.block_ptrs, cu_block_nums=base.cu_block_nums, block_seq_len=16,
+                      layer_offset_bytes=0, dtype=torch.float16)
+        fields.update(cache_fields)
+        mla_kv.write_kv_blocks(kv_a[:, :512], kv_a[:, 512:], layout.BlockPointerCache(**fields), cu, hist)
+
+    with pytest.raises(ValueError, match="cache.rope_first"):
+        write(kv_format="fp8_ds_mla")
+    with pytest.raises(ValueError, match="cache.kv_scale"):
+        write(kv_format="fp8", rope_first=False)
+    with pytest.raises(ValueError, match="cache.kv_format"):
+        write(kv_format="int2")
+    with pytest.raises(ValueError, match="CUDA tensors only"):  # a valid quantized cache: then the device check
+        write(kv_format="int4")
+    q = torch.randn(1, 1, 4, 576).half()
+    with pytest.raises(ValueError, match="cache.kv_format: this op reads 16-bit caches only"):
+        mla_kv.decode(q, layout.BlockPointerCache(base.block_ptrs, base.cu_block_nums, 16, 0, torch.float16,
+                                                  kv_format="int8"), None, torch.ones(1, dtype=torch.int32), 0.1)
