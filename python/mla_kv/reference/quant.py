@@ -4,7 +4,7 @@ Rows are in their storage order (latent first as vLLM lays them; a rope-first ro
 it is stored, see layout.to_rope_first). ``layout.KV_FORMATS`` lists the formats:
 
 - "fp8" (vLLM ``fp8``): 576 bytes, every value e4m3 of x / kv_scale, one per-tensor float scale;
-  x = e4m3 * kv_scale.
+  x = e4m3 * kv_scale. Every division here is one correctly rounded fp32 division, as the kernels do it.
 - "fp8_ds_mla" (vLLM ``fp8_ds_mla``, FlashMLA's FP8 KV, SGLang NSA): 656 bytes. Bytes 0-511: the 512
   latent values in 4 tiles of 128, each e4m3 of x / s_t with s_t = max(amax_t / 448, FLT_MIN) (fp32);
   bytes 512-527: s_0..s_3 as little-endian fp32; bytes 528-655: the 64 rope values in bf16.
@@ -44,6 +44,12 @@ def e4m3_codes(x: torch.Tensor) -> torch.Tensor:
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of uint8 e4m3 codes."""
     return codes.view(torch.float8_e4m3fn).float()
+
+
+def _divide(x: torch.Tensor, by: float) -> torch.Tensor:
+    """x / by rounded once, as the kernels divide: torch's CUDA division by a Python scalar multiplies by
+    its reciprocal, which rounds twice and would make the spec depend on the device."""
+    return x / torch.full_like(x, by)
 
 
 def _check_rows(rows: torch.Tensor) -> None:
@@ -90,10 +96,10 @@ def quantize_rows(rows: torch.Tensor, kv_format: str, *, kv_scale: Optional[floa
     _check_rows(rows)
     x = rows.float()
     if kv_format == "fp8":
-        return e4m3_codes(x / check_kv_scale(kv_scale))
+        return e4m3_codes(_divide(x, check_kv_scale(kv_scale)))
     if kv_format == "fp8_ds_mla":
         tiles = x[..., :LATENT_DIM].reshape(*x.shape[:-1], DS_TILES, DS_TILE)
-        scale = torch.clamp(tiles.abs().amax(-1) / E4M3_MAX, min=FLT_MIN)
+        scale = torch.clamp(_divide(tiles.abs().amax(-1), E4M3_MAX), min=FLT_MIN)
         codes = e4m3_codes(tiles / scale[..., None]).reshape(*x.shape[:-1], LATENT_DIM)
         scale_bytes = scale.contiguous().view(torch.uint8).reshape(*x.shape[:-1], 4 * DS_TILES)
         rope_bytes = x[..., LATENT_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -102,7 +108,7 @@ def quantize_rows(rows: torch.Tensor, kv_format: str, *, kv_scale: Optional[floa
         raise ValueError(f"scale_dtype: {kv_format} stores scale and zero in float16 or bfloat16, got {scale_dtype}")
     top = 2 ** _BITS[kv_format] - 1
     lo, hi = x.amin(-1), x.amax(-1)
-    scale, zero = ((hi - lo) / top).to(scale_dtype), lo.to(scale_dtype)
+    scale, zero = _divide(hi - lo, top).to(scale_dtype), lo.to(scale_dtype)
     s, z = scale.float()[..., None], zero.float()[..., None]
     codes = torch.where(s > 0, torch.round((x - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp(0, top).to(torch.uint8)
     if kv_format == "int4":
