@@ -811,7 +811,10 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
         return failed
     total = int(cu[-1])
     spec = reference.gather_kv(cache.cpu(), table.cpu(), cu.cpu(), kv_format=fmt, kv_scale=scale, dtype=dtype)
-    problems += unchanged_problems(f"gather_kv[{fmt}] rows", out[:total].cpu(), spec)
+    # Bit for bit but for NaN's payload: the unwritten slots hold random bytes, e4m3's NaN code among them.
+    got = out[:total].cpu()
+    differ = int((bits(got) != bits(spec)).logical_and(~(got.isnan() & spec.isnan())).sum())
+    problems += [f"gather_kv[{fmt}] rows: {differ} elements differ from the reference"] if differ else []
     return Outcome(problems, changed + can.changed_bytes(out[:total]))
 
 

@@ -113,7 +113,7 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     mla_kv.reference.gather_kv(kv_format=...) bit for bit: a paged one is uint8 (the write_kv forms)
     with kv_format, kv_scale (fp8) and dtype (its rows' and int8 / int4 scales' type; default out's);
     a BlockPointerCache carries all three. out must then be 16-byte aligned with a row stride of a
-    multiple of 8 elements.
+    multiple of 8 elements. An e4m3 NaN code (0x7F, 0xFF) gives NaN, its payload unspecified.
     Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
