@@ -46,6 +46,29 @@ def test_demo_cpu_matches_hf_and_plans_the_seed_example():
     assert plan["expanded"][1:7] == ["46,080", "2,165,760", "138,608,640", "79", "5,056", "5,056"]
 
 
+def test_demo_with_quantized_caches_states_each_formats_error():
+    """--kv-format: the quantizing write's cache read by the reference's attention. Each format's error is
+    within its tolerance and above the 16-bit cache's (so the quantized rows are what attention read), and
+    they order as the formats' precision does: int8 < fp8 / fp8_ds_mla < int4."""
+    small = ["demo", "--device", "cpu", "--dtype", "bf16", "--heads", "2", "--layers", "1", "--prompt-len", "24",
+             "--decode-steps", "1", "--block-size", "16"]
+    errors = {}
+    for kv_format in (None, "fp8", "fp8_ds_mla", "int8", "int4"):
+        r = run_cli(*small, *([] if kv_format is None else ["--kv-format", kv_format]))
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = phase_rows(r.stdout)
+        assert list(rows) == ["prefill", "decode 1"] and all(v[3] == "ok" for v in rows.values())
+        errors[kv_format] = max(v[2] for v in rows.values())
+        if kv_format:
+            assert f"{kv_format} cache (quantizing fused write" in r.stdout
+            assert f"tolerance {demo.FORMAT_TOLERANCES[kv_format]:g}" in r.stdout
+    assert errors[None] < errors["int8"] < min(errors["fp8"], errors["fp8_ds_mla"]) < errors["int4"], errors
+
+
+def test_demo_quantized_cache_needs_16_bit_rows(capsys):
+    assert_usage_error(["demo", "--device", "cpu", "--dtype", "fp32", "--kv-format", "int8"], capsys)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without a GPU")
 def test_demo_without_gpu_says_so_and_runs_the_reference():
     r = run_cli("demo", "--model", "deepseek-v2-lite", *SMALL)
@@ -115,6 +138,7 @@ BAD_ARGUMENTS = [
     ["demo", "--device", "tpu"],
     ["demo", "--gpu", "h200", "--gpu-mem-gib", "32"],
     ["demo", "--weights-gb", "-1"],
+    ["demo", "--kv-format", "fp4"],
 ]
 
 
@@ -237,3 +261,15 @@ def test_demo_cuda_kernels_match_hf_and_are_timed(dtype):
     timings = dict(re.findall(r"^(fused_write_kv|prefill|decode) .* ([\d.]+) us$", r.stdout, re.M))
     assert sorted(timings) == ["decode", "fused_write_kv", "prefill"]
     assert all(float(us) > 0 for us in timings.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "int4"])
+def test_demo_cuda_quantized_cache(kv_format):
+    """The quantizing write kernels' cache, read by the reference's attention on the GPU."""
+    r = run_cli("demo", "--device", "cuda", "--dtype", "fp16", "--kv-format", kv_format, "--prompt-len", "100",
+                "--decode-steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = phase_rows(r.stdout)
+    assert list(rows) == ["prefill", "decode 1", "decode 2"]
+    assert all(v[3] == "ok" and v[2] > 1e-3 for v in rows.values())

@@ -147,6 +147,9 @@ def _build_parser() -> _Parser:
     p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,
                    help="cache block size, also used by the plan (default %(default)s)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the weights and inputs (default %(default)s)")
+    p.add_argument("--kv-format", choices=[f for f in layout.KV_FORMATS if f], default=None,
+                   help="a quantized latent cache (fp8 with dequant scale 1, fp8_ds_mla, int8, int4): the error "
+                        "shown is the format's (attention reads it through the reference for now)")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="plan the cache for this GPU preset")
     gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False, maximum=_MAX_GIB), metavar="GIB",

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import ops, planner, rope
+from . import layout, ops, planner, reference, rope
 from .timing import time_graph
 from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM
 from .reference import rms_norm
@@ -50,6 +50,10 @@ HF_DTYPE = torch.float32
 # fp32: agreement is at float32 rounding (~1e-6); 1e-4 leaves room for long prompts, while a wrong
 # weight, position or scale shows as 1e-3 or more.
 TOLERANCES = {torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
+# With a quantized cache (--kv-format): the format's own error dominates. Bounds a few times what the
+# random-weight presets show (docs/demo.md lists the measured errors); a wrong byte layout is O(1).
+FORMAT_TOLERANCES = {"fp8": 1e-1, "fp8_ds_mla": 1e-1, "int8": 5e-2, "int4": 6e-1}
+FP8_KV_SCALE = 1.0  # the demo's fp8 dequant scale (engines calibrate one; the rows here stay far below 448)
 
 # The attention fields of each planner preset's public HF config.json that the planner does not keep
 # (it keeps layers, heads, kv_lora_rank, qk_rope_head_dim and max_position_embeddings).
@@ -218,10 +222,12 @@ class MlaLayer:
         return F.linear(h, *self.kv_a).to(self.dtype)
 
     def write(self, kv_a: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
-              cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> None:
-        """Writes the tokens' normalized, rotated rows at ``slots``; rotates q's rope part in place."""
+              cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, kv_format: Optional[str] = None) -> None:
+        """Writes the tokens' normalized, rotated rows at ``slots`` (quantized into kv_format); rotates q's
+        rope part in place."""
         ops.fused_write_kv(kv_a, self.kv_a_norm, self.kv_a_eps, positions, table, cache, slots,
-                           rope_style=style, q=q)
+                           rope_style=style, q=q, kv_format=kv_format,
+                           kv_scale=FP8_KV_SCALE if kv_format == "fp8" else None)
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [T, H, 512] (``dtype``) -> the layer's output [T, hidden] in float32."""
@@ -333,12 +339,23 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+def _stale_cache(num_blocks: int, block_size: int, dtype, kv_format, device, generator) -> torch.Tensor:
+    """A paged cache of stale contents: random rows of dtype, or random bytes of kv_format's layout."""
+    if kv_format is None:
+        return torch.randn(num_blocks, block_size, ROW_DIM, generator=generator).to(dtype).to(device)
+    shape = ((num_blocks, layout.block_bytes(kv_format, block_size, dtype)) if kv_format in layout.TRAILER_FORMATS
+             else (num_blocks, block_size, layout.row_bytes(kv_format)))
+    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(device)
+
+
 def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, seed: int = 0,
-        time_kernels: bool = False) -> DemoResult:
+        time_kernels: bool = False, kv_format: Optional[str] = None) -> DemoResult:
     """Prefill of a ``prompt_len``-token prompt, then ``decode_steps`` single-token steps, each layer
     checked against HF. The hidden states are random (seeded); each layer has a paged latent cache with
     a shuffled block table and one spare block, its rows filled beforehand with stale values that the
-    ops must not read."""
+    ops must not read. kv_format: a quantized cache, written by the quantizing fused write and read by
+    mla_kv.reference's attention over the dequantized rows (the attention kernels do not read quantized
+    caches yet), so the error shown is the format's."""
     total = prompt_len + decode_steps
     device, dtype = stack.device, stack.dtype
     generator = torch.Generator().manual_seed(seed + 1)
@@ -354,8 +371,10 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
 
     num_blocks = -(-total // block_size)
     block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None].to(device)
-    caches = [torch.randn(num_blocks + 1, block_size, ROW_DIM, generator=generator).to(dtype).to(device)
-              for _ in stack.layers]
+    caches = [_stale_cache(num_blocks + 1, block_size, dtype, kv_format, device, generator) for _ in stack.layers]
+    quantized = {} if kv_format is None else dict(kv_format=kv_format, scale_dtype=dtype,
+                                                  kv_scale=FP8_KV_SCALE if kv_format == "fp8" else None)
+    attention = ops if kv_format is None else reference
     c = stack.hf_config
     cos_sin = rope.cos_sin_cache(c.qk_rope_head_dim, total, scaling=c.rope_parameters, dtype=torch.float32,
                                  device=device)
@@ -371,7 +390,7 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
         h = x[first:last]
         for index, layer in enumerate(stack.layers):
             q = layer.queries(h)
-            layer.write(layer.latent(h), positions, cos_sin, style, caches[index], slots_of(positions), q)
+            layer.write(layer.latent(h), positions, cos_sin, style, caches[index], slots_of(positions), q, kv_format)
             out = layer.output(attend(index, q))
             phase.errors.append(relative_error(out, hf_out[index][first:last]))
             h = h + out
@@ -380,11 +399,12 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
     def prefill(index, q):
         cu_q_lens = torch.tensor([0, prompt_len], dtype=torch.int32, device=device)
         kv_lens = torch.tensor([prompt_len], dtype=torch.int32, device=device)
-        return ops.prefill(q, caches[index], block_table, cu_q_lens, kv_lens, scale)[0]
+        return attention.prefill(q, caches[index], block_table, cu_q_lens, kv_lens, scale, **quantized)[0]
 
     def decode_at(kv_len):
         seq_lens = torch.tensor([kv_len], dtype=torch.int32, device=device)
-        return lambda index, q: ops.decode(q[None], caches[index], block_table, seq_lens, scale)[0][0]
+        return lambda index, q: attention.decode(q[None], caches[index], block_table, seq_lens, scale,
+                                                 **quantized)[0][0]
 
     with torch.no_grad():
         phases = [step("prefill", 0, prompt_len, prefill)]
@@ -392,10 +412,10 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
             position = prompt_len + k
             phases.append(step(f"decode {k + 1}", position, position + 1, decode_at(position + 1)))
         timings = None
-        if time_kernels:
+        if time_kernels and kv_format is None:
             timings = _time_kernels(stack.layers[0], x, prompt_len, total, cos_sin, style, scale, caches[0],
                                     block_table, slots_of)
-    return DemoResult(phases, TOLERANCES[dtype], timings)
+    return DemoResult(phases, TOLERANCES[dtype] if kv_format is None else FORMAT_TOLERANCES[kv_format], timings)
 
 
 def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, cache, block_table,
@@ -495,9 +515,12 @@ def _device(args) -> tuple:
 
 
 def _dtype(args, device) -> str:
-    """The --dtype name, or the device's default; rejects what the CUDA kernels do not run."""
+    """The --dtype name, or the device's default; rejects what the CUDA kernels do not run. A quantized
+    cache is written from 16-bit rows (default bf16 on the CPU)."""
+    if getattr(args, "kv_format", None) is not None and args.dtype == "fp32":
+        args.parser.error(f"--dtype fp32: a {args.kv_format} cache is written from fp16 or bf16 rows")
     if device.type == "cpu":
-        return args.dtype or "fp32"
+        return args.dtype or ("bf16" if getattr(args, "kv_format", None) else "fp32")
     cc = torch.cuda.get_device_capability(device)
     if args.dtype is None:
         return "bf16" if cc >= (8, 0) else "fp16"
@@ -534,7 +557,7 @@ def _plan_text(args, spec: ModelSpec, dtype_name: str, gpu: Optional[Tuple[str, 
         lines.append("(weights not counted: pass --weights-gb for the model's size)")
         weights_gb = 0.0
     result = planner.plan(spec.model, gpu[1], weights_gb * planner.GB, block_size=args.block_size,
-                          cache_dtype=cache_dtype)
+                          cache_dtype=cache_dtype, kv_format=getattr(args, "kv_format", None))
     lines.append(planner.format_plan(result, gpu[0]))
     return "\n".join(lines)
 
@@ -576,12 +599,15 @@ def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
         where = "cpu: the PyTorch reference ops (mla_kv.reference)"
     if note:
         print(note)
+    kv_format = getattr(args, "kv_format", None)
+    cache = "" if kv_format is None else (f", {kv_format} cache (quantizing fused write; attention: mla_kv.reference "
+                                          f"over the dequantized rows, the kernels do not read {kv_format} yet)")
     print(f"mla-kv demo  {spec.name}: prompt {args.prompt_len}, decode steps {args.decode_steps}, {dtype_name} "
-          f"on {where}")
+          f"on {where}{cache}")
     print("\n".join(describe(stack, args.block_size)), end="\n\n", flush=True)
     try:
         result = run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
-                     time_kernels=device.type == "cuda")
+                     time_kernels=device.type == "cuda", kv_format=getattr(args, "kv_format", None))
     except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
         args.parser.error(str(e))
     print(format_phases(result), end="\n\n")
