@@ -8,7 +8,9 @@
 // Rows whose position the cache does not cover (past the block table or a sequence's blocks, a
 // block id outside the cache, a negative position) and out rows at or past cu_kv_lens[batch] are
 // left untouched: the op never reads or writes outside the cache and out.
-// The op is a copy with no arithmetic: every dtype runs on every arch tag (bf16 on Sm70 too).
+// The op is a copy with no arithmetic: every dtype runs on every arch tag (bf16 on Sm70 too). A
+// quantized cache (RowLayout::format) is dequantized into fp16 / bf16 rows (params.dtype; also the
+// int8 / int4 scale type), equal to python/mla_kv/reference's gather bit for bit; out 16-byte aligned.
 // Reference: python/mla_kv/reference/gather.py (gather_kv, gather_kv_blocks).
 #pragma once
 

@@ -4,6 +4,10 @@
 //   write:       row = [kv_c | k_pe] as given (already normalized and rotated)
 //   fused write: row = [RMSNorm(kv_c) * w | RoPE(k_pe, position)], optionally rotating the rope
 //                part of q in place in the same launch.
+// A cache whose RowLayout::format is a quantized KvFormat gets the row quantized in the same launch
+// (fp16 / bf16 inputs, 16-byte aligned; kv_scale for kFp8; fp8_ds_mla rows latent first), byte for
+// byte what python/mla_kv/reference/quant.py's quantizer writes; int8 / int4 put the row's (scale,
+// zero), in the input dtype, in the block's trailer after its rows.
 // Reference semantics: python/mla_kv/reference/write.py (write_kv, fused_write_kv).
 #pragma once
 
