@@ -36,6 +36,9 @@ struct RowSlot {
   char* region;  // nullptr: the token is skipped
   int64_t offset;
 };
+__device__ __forceinline__ char* row_of(const RowSlot& s, const RowLayout& row) {
+  return s.region == nullptr ? nullptr : s.region + s.offset * row.row_stride_bytes;
+}
 
 // Writes through a vLLM-style slot mapping.
 struct PagedSlotRows {
@@ -50,10 +53,7 @@ struct PagedSlotRows {
     if (slot < 0 || block >= cache.num_blocks) return {nullptr, 0};
     return {static_cast<char*>(cache.base) + block * cache.block_stride_bytes, slot - block * cache.block_size};
   }
-  __device__ __forceinline__ char* row(int64_t t) const {
-    const RowSlot s = slot(t);
-    return s.region == nullptr ? nullptr : s.region + s.offset * cache.row.row_stride_bytes;
-  }
+  __device__ __forceinline__ char* row(int64_t t) const { return row_of(slot(t), cache.row); }
 };
 
 // Writes new tokens of packed sequences behind TurboMind-style block pointers.
@@ -75,10 +75,7 @@ struct BlockPointerRows {
     return {static_cast<char*>(cache.block_ptrs[first + block]) + cache.layer_offset_bytes,
             local - block * cache.block_seq_len};
   }
-  __device__ __forceinline__ char* row(int64_t t) const {
-    const RowSlot s = slot(t);
-    return s.region == nullptr ? nullptr : s.region + s.offset * cache.row.row_stride_bytes;
-  }
+  __device__ __forceinline__ char* row(int64_t t) const { return row_of(slot(t), cache.row); }
 };
 
 // Reads position `pos` of sequence b through a paged block table. A null block base for positions

@@ -2,10 +2,10 @@
 // launcher.
 #include <cstdint>
 
-#include "../arch/arch.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../arch/arch.cuh"
 #include "gather_kv_launch.h"
 
 namespace mla_kv {
@@ -20,15 +20,13 @@ int64_t access_bytes(const GatherKvParams& p, const RowLayout& row, const void* 
                               row.latent_offset * es, row.rope_offset * es});
 }
 
-// A quantized cache is dequantized into 16-bit rows: out 16-byte aligned, fp8_ds_mla latent first.
+// A quantized cache is dequantized into 16-bit rows (out, strides and rows 16-byte aligned: access
+// 16), fp8_ds_mla rows latent first.
 template <class Rows>
-Status dispatch_dequant(const GatherKvParams& p, const Rows& rows, const void* base, int64_t extra_stride_bytes,
-                        Arch tag, cudaStream_t stream) {
+Status dispatch_dequant(const GatherKvParams& p, const Rows& rows, int64_t access, Arch tag, cudaStream_t stream) {
   const RowLayout& row = rows.cache.row;
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (p.batch < 0 || p.out_rows < 0) return Status::kInvalidArgument;
-  if (arch::widest_access(2, {p.out, base}, {p.out_stride * 2, extra_stride_bytes, row.row_stride_bytes}) != 16)
-    return Status::kInvalidArgument;
+  if (access != 16) return Status::kInvalidArgument;
   if (row.format == KvFormat::kFp8DsMla && (row.latent_offset != 0 || row.rope_offset != kLatentDim))
     return Status::kInvalidArgument;
   using gather_detail::launch_gather_kv_dequant;
@@ -49,6 +47,7 @@ Status dispatch(const GatherKvParams& p, const Rows& rows, int64_t access, Arch 
   const bool vec16 = access == 16;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
+  if (rows.cache.row.format != KvFormat::kNone) return dispatch_dequant(p, rows, access, tag, stream);
   const bool wide = p.dtype == DType::kFloat32;
   using gather_detail::launch_gather_kv;
   // A copy has no Turing-specific code: Sm75 runs the Volta variant.
@@ -64,25 +63,15 @@ Status dispatch(const GatherKvParams& p, const Rows& rows, int64_t access, Arch 
 
 Status invokeGatherKvPaged(const GatherKvParams& params, const PagedCache& cache, const int* block_table,
                            int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
-  const PagedTableRows rows{cache, block_table, block_table_stride, max_blocks};
-  if (cache.row.format != KvFormat::kNone) {
-    const Arch tag = resolve_arch(arch, device_compute_capability());
-    if (tag == Arch::kAuto) return Status::kUnsupportedArch;
-    return dispatch_dequant(params, rows, cache.base, cache.block_stride_bytes, tag, stream);
-  }
   const int64_t access = access_bytes(params, cache.row, cache.base, cache.block_stride_bytes);
-  return dispatch(params, rows, access, arch, stream);
+  return dispatch(params, PagedTableRows{cache, block_table, block_table_stride, max_blocks}, access, arch,
+                  stream);
 }
 
 Status invokeGatherKvBlocks(const GatherKvParams& params, const BlockPointerCache& cache, Arch arch,
                             cudaStream_t stream) {
   if (cache.batch != params.batch) return Status::kInvalidArgument;
   // Block base pointers live on the device; they must be 16-byte aligned (allocators give 256).
-  if (cache.row.format != KvFormat::kNone) {
-    const Arch tag = resolve_arch(arch, device_compute_capability());
-    if (tag == Arch::kAuto) return Status::kUnsupportedArch;
-    return dispatch_dequant(params, BlockPointerTableRows{cache}, nullptr, cache.layer_offset_bytes, tag, stream);
-  }
   const int64_t access = access_bytes(params, cache.row, nullptr, cache.layer_offset_bytes);
   return dispatch(params, BlockPointerTableRows{cache}, access, arch, stream);
 }
