@@ -776,9 +776,7 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
     can = Canaries(device, gen)
     fmt, bs, t = case.kv_format, case.block_size, case.tokens
     scale = 0.5 if fmt == "fp8" else None
-    shape = ((case.num_blocks, layout.block_bytes(fmt, bs, dtype)) if fmt in layout.TRAILER_FORMATS
-             else (case.num_blocks, bs, layout.row_bytes(fmt)))
-    cache = can.tensor(shape, torch.uint8)
+    cache = can.tensor(layout.paged_cache_shape(fmt, case.num_blocks, bs, dtype), torch.uint8)
     kv_a = can.tensor((t, 576), dtype, pad=(0, 64))
     kv_a.copy_(randn(kv_a.shape, gen, device))
     weight = can.tensor((512,), dtype)

@@ -245,3 +245,16 @@ def test_fused_write_quantizes_the_normalized_rotated_row():
     codes, sz = Q.quantize_rows(plain.view(-1, 576)[slots], "int8", scale_dtype=torch.float16)
     deq = Q.dequantize_cache(quantized, "int8").reshape(-1, 576)[slots]
     assert torch.equal(deq, Q.dequantize_rows(codes, "int8", scale_zero=sz))
+
+
+@pytest.mark.parametrize("kv_format", [None, "fp8", "fp8_ds_mla", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_cache_shape_is_what_the_ops_accept(kv_format, dtype):
+    """layout.paged_cache_shape allocates the form the checks read back (block size and bytes per block)."""
+    shape = layout.paged_cache_shape(kv_format, 3, 16, dtype)
+    if kv_format is None:
+        assert shape == (3, 16, 576)
+        return
+    cache = torch.zeros(shape, dtype=torch.uint8)
+    assert Q.cache_block_size(cache, kv_format, dtype) == 16
+    assert cache[0].numel() == layout.block_bytes(kv_format, 16, dtype)

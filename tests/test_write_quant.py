@@ -27,33 +27,36 @@ pytestmark = pytest.mark.arch_variants("best", "sm70", bf16_needs_sm80=True)
 
 FORMATS = ["fp8", "fp8_ds_mla", "int8", "int4"]
 # -------------------------------------------------------------------------------- targets
-class PagedTarget:
-    """A quantized paged cache between canary blocks, its slots and its rows' bytes."""
+class QuantCache:
+    """A quantized paged cache inside a storage tensor (``view(storage)`` is the cache): its rows' bytes
+    and the spec's expected storage."""
 
-    def __init__(self, kv_format, dtype, num_blocks, block_size, gen):
-        self.kv_format, self.dtype, self.block_size = kv_format, dtype, block_size
-        shape = ((num_blocks + 2, layout.block_bytes(kv_format, block_size, dtype)) if kv_format in layout.TRAILER_FORMATS
-                 else (num_blocks + 2, block_size, layout.row_bytes(kv_format)))
-        self.storage = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).cuda()
-        self.cache = self.storage[1:-1]
+    def __init__(self, kv_format, dtype, block_size, view):
+        self.kv_format, self.dtype, self.block_size, self.view = kv_format, dtype, block_size, view
+
+    def scale(self):
+        return KV_SCALE if self.kv_format == "fp8" else None
 
     def rows_and_pairs(self, storage):
         """Every row's bytes [capacity, row_bytes] and (scale, zero) bytes [capacity, 4] (None: none)."""
-        body = storage[1:-1]
-        rb = layout.row_bytes(self.kv_format)
+        cache, rb = self.view(storage), layout.row_bytes(self.kv_format)
         if self.kv_format not in layout.TRAILER_FORMATS:
-            return body.reshape(-1, rb), None
-        rows = body[:, :self.block_size * rb].reshape(-1, rb)
-        return rows, body[:, self.block_size * rb:].reshape(-1, 4)
+            return cache.reshape(-1, rb), None
+        rows = cache[:, :self.block_size * rb].reshape(-1, rb)
+        return rows, cache[:, self.block_size * rb:].reshape(-1, 4)
 
     def expect(self, before, rows_stored, slots):
         """The storage after writing rows (stored order) at slots by the spec."""
         want = before.clone()
-        quant.write_rows(want[1:-1], rows_stored, slots, self.kv_format, kv_scale=self.scale())
+        quant.write_rows(self.view(want), rows_stored, slots, self.kv_format, kv_scale=self.scale())
         return want
 
-    def scale(self):
-        return KV_SCALE if self.kv_format == "fp8" else None
+
+def paged_target(kv_format, dtype, num_blocks, block_size, gen):
+    """(storage of random bytes, its QuantCache): a paged cache between two canary blocks."""
+    shape = layout.paged_cache_shape(kv_format, num_blocks + 2, block_size, dtype)
+    storage = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).cuda()
+    return storage, QuantCache(kv_format, dtype, block_size, lambda s: s[1:-1])
 
 
 def quant_inputs(num_tokens, dtype, gen, row_stride=640):
@@ -116,20 +119,21 @@ def written_mask(slots, capacity):
 def test_paged_quantized_write(kv_format, dtype, fused, block_size, arch):
     gen = torch.Generator().manual_seed(FORMATS.index(kv_format) * 17 + fused + block_size)
     num_tokens, num_blocks = 150, 12
-    target = PagedTarget(kv_format, dtype, num_blocks, block_size, gen)
+    storage, target = paged_target(kv_format, dtype, num_blocks, block_size, gen)
+    cache = target.view(storage)
     kv_a, q, weight, positions = quant_inputs(num_tokens, dtype, gen)
     cs = cos_sin_cache(64, 4096, 1e4, device="cuda")
     perm = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots = torch.where(torch.arange(num_tokens) % 9 == 4, -1, perm).cuda()
-    before, q_kernel = target.storage.clone(), q.clone()
+    before, q_kernel = storage.clone(), q.clone()
     if fused:
-        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, target.cache, slots, q=q_kernel, kv_format=kv_format,
+        mla_kv.fused_write_kv(kv_a, weight, 1e-6, positions, cs, cache, slots, q=q_kernel, kv_format=kv_format,
                               kv_scale=target.scale(), arch=arch)
     else:
-        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], target.cache, slots, kv_format=kv_format,
+        mla_kv.write_kv(kv_a[:, :512], kv_a[:, 512:], cache, slots, kv_format=kv_format,
                         kv_scale=target.scale(), arch=arch)
     rows = rows16(fused, kv_a, weight, positions, cs, arch)
-    check_rows(target, target.storage, target.expect(before, rows, slots), rows, slots,
+    check_rows(target, storage, target.expect(before, rows, slots), rows, slots,
                f"{kv_format} {'fused' if fused else 'plain'} write")
     if fused:  # q is rotated as by the 16-bit fused write
         q_16 = q.clone()
@@ -151,8 +155,7 @@ def test_block_pointer_quantized_write(kv_format, dtype, fused, arch):
     rope_first = kv_format != "fp8_ds_mla"
     plain = layout.block_bytes(None, bsl, dtype)
     region = layout.block_bytes(kv_format, bsl, dtype)
-    region_padded = -(-region // 16) * 16
-    block = plain + region_padded + plain
+    block = plain + region + plain  # every format's region of 32 rows is a multiple of 16 bytes
     storage = torch.randint(0, 256, (num_blocks, block), generator=gen, dtype=torch.uint8).cuda()
     q_lens, hist, readonly = [40, 1, 0, 25], [0, 70, 3, 31], [0, 64, 0, 32]
     counts = [-(-(h + n) // bsl) for h, n in zip(hist, q_lens)]
@@ -180,20 +183,10 @@ def test_block_pointer_quantized_write(kv_format, dtype, fused, arch):
     rows = rows16(fused, kv_a[:total], weight, positions[:total], cs, arch)
     stored = layout.to_rope_first(rows) if rope_first else rows
 
-    class Region(PagedTarget):  # the quantized layer of every block, as a paged cache between no canaries
-        def __init__(self):
-            self.kv_format, self.dtype, self.block_size = kv_format, dtype, bsl
-
-        def rows_and_pairs(self, s):
-            return PagedTarget.rows_and_pairs(self, torch.nn.functional.pad(self.view(s), (0, 0) * (self.view(s).dim() - 1) + (1, 1)))
-
-        def view(self, s):
-            r = s[:, plain:plain + region]  # a view: the spec writes through it
-            return r if kv_format in layout.TRAILER_FORMATS else r.unflatten(1, (bsl, -1))
-
-    target = Region()
-    want = before.clone()
-    quant.write_rows(target.view(want), stored, slots, kv_format, kv_scale=target.scale())
+    # the quantized layer of every block, as a paged cache (a view: the spec writes through it)
+    target = QuantCache(kv_format, dtype, bsl, lambda s: s[:, plain:plain + region]
+                        if kv_format in layout.TRAILER_FORMATS else s[:, plain:plain + region].unflatten(1, (bsl, -1)))
+    want = target.expect(before, stored, slots)
     for name, span in (("the first 16-bit layer", slice(0, plain)), ("the last 16-bit layer", slice(plain + region, block))):
         assert same_bytes(storage[:, span], before[:, span]), f"{name} changed"
     check_rows(target, storage, want, stored, slots, f"{kv_format} block-pointer {'fused' if fused else 'plain'} write")
@@ -205,9 +198,8 @@ def test_cpu_write_is_the_reference_quantizer():
     gen = torch.Generator().manual_seed(3)
     kv_a = torch.randn(9, 576, generator=gen).half()
     for kv_format in FORMATS:
-        shape = ((2, layout.block_bytes(kv_format, 8, torch.float16)) if kv_format in layout.TRAILER_FORMATS
-                 else (2, 8, layout.row_bytes(kv_format)))
-        cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        cache = torch.randint(0, 256, layout.paged_cache_shape(kv_format, 2, 8, torch.float16), generator=gen,
+                              dtype=torch.uint8)
         want = cache.clone()
         slots = torch.tensor([3, -1, 0, 15, 8, 9, 10, 11, 2])
         scale = KV_SCALE if kv_format == "fp8" else None

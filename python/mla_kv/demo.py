@@ -343,8 +343,7 @@ def _stale_cache(num_blocks: int, block_size: int, dtype, kv_format, device, gen
     """A paged cache of stale contents: random rows of dtype, or random bytes of kv_format's layout."""
     if kv_format is None:
         return torch.randn(num_blocks, block_size, ROW_DIM, generator=generator).to(dtype).to(device)
-    shape = ((num_blocks, layout.block_bytes(kv_format, block_size, dtype)) if kv_format in layout.TRAILER_FORMATS
-             else (num_blocks, block_size, layout.row_bytes(kv_format)))
+    shape = layout.paged_cache_shape(kv_format, num_blocks, block_size, dtype)
     return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(device)
 
 

@@ -74,6 +74,17 @@ def block_bytes(kv_format, block_size: int, dtype=torch.float16) -> int:
     return rows
 
 
+def paged_cache_shape(kv_format, num_blocks: int, block_size: int, dtype=torch.float16) -> tuple:
+    """The shape of one layer's paged cache in ``kv_format``: [num_blocks, block_size, 576] values of dtype
+    (None), uint8 [num_blocks, block_size, row_bytes] (fp8, fp8_ds_mla), uint8 [num_blocks, block_bytes]
+    (int8 / int4: a block's rows, then its (scale, zero) pairs in dtype)."""
+    if kv_format is None:
+        return (num_blocks, block_size, ROW_DIM)
+    if kv_format in TRAILER_FORMATS:
+        return (num_blocks, block_bytes(kv_format, block_size, dtype))
+    return (num_blocks, block_size, row_bytes(kv_format))
+
+
 def bytes_per_token(kv_format=None, dtype=torch.float16) -> int:
     """Cache bytes one token takes in one layer, trailer included (580 B for int8, 292 for int4)."""
     return block_bytes(kv_format, 1, dtype)

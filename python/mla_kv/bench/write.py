@@ -29,12 +29,9 @@ def torch_native_fused(kv_a, weight, positions, cs, cache, slots):
 
 
 def quantized_cache(kv_format, num_blocks, block_size, dtype, gen):
-    """A paged cache of kv_format filled with random bytes (uint8, the layout.block_bytes form)."""
-    if kv_format in layout.TRAILER_FORMATS:
-        shape = (num_blocks, layout.block_bytes(kv_format, block_size, dtype))
-    else:
-        shape = (num_blocks, block_size, layout.row_bytes(kv_format))
-    return torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
+    """A paged cache of kv_format filled with random bytes."""
+    return torch.randint(0, 256, layout.paged_cache_shape(kv_format, num_blocks, block_size, dtype), device="cuda",
+                         dtype=torch.uint8, generator=gen)
 
 
 def run(tokens, dtypes, heads_q, kv_formats=()):
