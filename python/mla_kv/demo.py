@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import layout, ops, planner, reference, rope
+from . import layout, ops, planner, rope
 from .timing import time_graph
 from .layout import LATENT_DIM, ROPE_DIM, ROW_DIM
 from .reference import rms_norm
@@ -353,8 +353,7 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
     checked against HF. The hidden states are random (seeded); each layer has a paged latent cache with
     a shuffled block table and one spare block, its rows filled beforehand with stale values that the
     ops must not read. kv_format: a quantized cache, written by the quantizing fused write and read by
-    mla_kv.reference's attention over the dequantized rows (the attention kernels do not read quantized
-    caches yet), so the error shown is the format's."""
+    the attention ops (the kernels dequantize its tiles), so the error shown is the format's."""
     total = prompt_len + decode_steps
     device, dtype = stack.device, stack.dtype
     generator = torch.Generator().manual_seed(seed + 1)
@@ -371,9 +370,8 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
     num_blocks = -(-total // block_size)
     block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None].to(device)
     caches = [_stale_cache(num_blocks + 1, block_size, dtype, kv_format, device, generator) for _ in stack.layers]
-    quantized = {} if kv_format is None else dict(kv_format=kv_format, scale_dtype=dtype,
+    quantized = {} if kv_format is None else dict(kv_format=kv_format,
                                                   kv_scale=FP8_KV_SCALE if kv_format == "fp8" else None)
-    attention = ops if kv_format is None else reference
     c = stack.hf_config
     cos_sin = rope.cos_sin_cache(c.qk_rope_head_dim, total, scaling=c.rope_parameters, dtype=torch.float32,
                                  device=device)
@@ -398,12 +396,12 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
     def prefill(index, q):
         cu_q_lens = torch.tensor([0, prompt_len], dtype=torch.int32, device=device)
         kv_lens = torch.tensor([prompt_len], dtype=torch.int32, device=device)
-        return attention.prefill(q, caches[index], block_table, cu_q_lens, kv_lens, scale, **quantized)[0]
+        return ops.prefill(q, caches[index], block_table, cu_q_lens, kv_lens, scale, **quantized)[0]
 
     def decode_at(kv_len):
         seq_lens = torch.tensor([kv_len], dtype=torch.int32, device=device)
-        return lambda index, q: attention.decode(q[None], caches[index], block_table, seq_lens, scale,
-                                                 **quantized)[0][0]
+        return lambda index, q: ops.decode(q[None], caches[index], block_table, seq_lens, scale,
+                                           **quantized)[0][0]
 
     with torch.no_grad():
         phases = [step("prefill", 0, prompt_len, prefill)]
@@ -599,8 +597,7 @@ def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
     if note:
         print(note)
     kv_format = getattr(args, "kv_format", None)
-    cache = "" if kv_format is None else (f", {kv_format} cache (quantizing fused write; attention: mla_kv.reference "
-                                          f"over the dequantized rows, the kernels do not read {kv_format} yet)")
+    cache = "" if kv_format is None else f", {kv_format} cache (quantizing fused write, dequantizing attention)"
     print(f"mla-kv demo  {spec.name}: prompt {args.prompt_len}, decode steps {args.decode_steps}, {dtype_name} "
           f"on {where}{cache}")
     print("\n".join(describe(stack, args.block_size)), end="\n\n", flush=True)

@@ -92,7 +92,9 @@ Status check_attention_splits(int num_splits, int tokens_per_split, int64_t max_
 // Bytes of workspace a launch with these sizes needs (0 when num_splits == 1).
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);
 
-// Both read 16-bit (or fp32) rows: a cache of a quantized KvFormat returns kUnsupportedFormat.
+// Both read 16-bit rows of the params' dtype or rows of any quantized KvFormat (cache.row.format),
+// dequantized into the dtype (fp16 / bf16; int8 / int4 scales and zeros are of that dtype) tile by
+// tile; out = attention over the dequantized cache (mla_kv.reference.decode with kv_format).
 // Paged tensor cache: position j of sequence b is in block block_table[b * block_table_stride +
 // j / block_size], for j / block_size < max_blocks (rows past the table read as zeros). The splits
 // must cover the table (num_splits * tokens_per_split >= max_blocks * block_size), else

@@ -27,10 +27,26 @@ int grid_x_for(const AttentionParams& p, int block_m) {
   return ceil_div(p.total_q_tokens * p.num_heads, block_m) + p.batch;
 }
 
+// The variant of tag `tag` for rows of format F.
+template <KvFormat F, class Rows>
+Status launch_variant(const AttentionParams& p, const Rows& rows, Arch tag, int config, int grid_x,
+                      cudaStream_t stream) {
+  using namespace attention_detail;
+  if (uses_wgmma(tag)) {
+    return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16, Rows, F>(p, rows, grid_x, stream)
+                                       : launch_attention_wgmma<__half, Rows, F>(p, rows, grid_x, stream);
+  }
+  if (p.dtype == DType::kBFloat16) return launch_attention<arch::Sm80, __nv_bfloat16, Rows, F>(p, rows, config, grid_x, stream);
+  switch (tag) {
+    case Arch::kSm70: return launch_attention<arch::Sm70, __half, Rows, F>(p, rows, config, grid_x, stream);
+    case Arch::kSm75: return launch_attention<arch::Sm75, __half, Rows, F>(p, rows, config, grid_x, stream);
+    default: return launch_attention<arch::Sm80, __half, Rows, F>(p, rows, config, grid_x, stream);
+  }
+}
+
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (rows.cache.row.format != KvFormat::kNone) return Status::kUnsupportedFormat;  // 16-bit rows only so far
   if (check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk) return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
@@ -41,18 +57,14 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   const AttentionTiles tiles = attention_launch_tiles(p, tag);
   if (tiles.block_m == 0) return Status::kSharedMemoryExceeded;
   const int grid_x = grid_x_for(p, tiles.block_m);
-  const int config = tiles.config;
-  using namespace attention_detail;
-  if (uses_wgmma(tag)) {
-    return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16>(p, rows, grid_x, stream)
-                                       : launch_attention_wgmma<__half>(p, rows, grid_x, stream);
+  switch (rows.cache.row.format) {
+    case KvFormat::kNone: return launch_variant<KvFormat::kNone>(p, rows, tag, tiles.config, grid_x, stream);
+    case KvFormat::kFp8: return launch_variant<KvFormat::kFp8>(p, rows, tag, tiles.config, grid_x, stream);
+    case KvFormat::kFp8DsMla: return launch_variant<KvFormat::kFp8DsMla>(p, rows, tag, tiles.config, grid_x, stream);
+    case KvFormat::kInt8: return launch_variant<KvFormat::kInt8>(p, rows, tag, tiles.config, grid_x, stream);
+    case KvFormat::kInt4: return launch_variant<KvFormat::kInt4>(p, rows, tag, tiles.config, grid_x, stream);
   }
-  if (p.dtype == DType::kBFloat16) return launch_attention<arch::Sm80, __nv_bfloat16>(p, rows, config, grid_x, stream);
-  switch (tag) {
-    case Arch::kSm70: return launch_attention<arch::Sm70, __half>(p, rows, config, grid_x, stream);
-    case Arch::kSm75: return launch_attention<arch::Sm75, __half>(p, rows, config, grid_x, stream);
-    default: return launch_attention<arch::Sm80, __half>(p, rows, config, grid_x, stream);
-  }
+  return Status::kUnsupportedFormat;
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 namespace mla_kv {
 namespace attention_detail {
 
-// Tag A's tile configuration `config` (tile_config.h), then the split-KV combine.
-template <class A, class T, class Rows>
+// Tag A's tile configuration `config` (tile_config.h) over rows of format F, then the split-KV combine.
+template <class A, class T, class Rows, KvFormat F>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream);
 
 // The split-KV combine after a launch with num_splits > 1 (combine.cu, one instantiation per dtype).
@@ -18,20 +18,27 @@ Status launch_combine(const AttentionParams& p, cudaStream_t stream);
 
 // Hopper: 64-row CTAs on wgmma (attention_sm90.cuh), whose shared memory per CTA is this.
 int wgmma_smem_bytes();
-template <class T, class Rows>
+template <class T, class Rows, KvFormat F>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream);
 
 }  // namespace attention_detail
 }  // namespace mla_kv
 
-#define MLA_KV_INSTANTIATE_ATTENTION(A, T)                                                                \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::PagedTableRows>(        \
-      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, int, cudaStream_t);             \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::BlockPointerTableRows>( \
+#define MLA_KV_INSTANTIATE_ATTENTION(A, T, F)                                                              \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::PagedTableRows, F>(        \
+      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, int, cudaStream_t);                \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::BlockPointerTableRows, F>( \
       const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, int, cudaStream_t);
 
-#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA(T)                                                           \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::PagedTableRows>(       \
-      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, cudaStream_t);                   \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::BlockPointerTableRows>( \
+#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA(T, F)                                                             \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::PagedTableRows, F>(        \
+      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, cudaStream_t);                        \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::BlockPointerTableRows, F>( \
       const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, cudaStream_t);
+
+// The four quantized formats of tag A (dtype T): one .cu per (tag, dtype), beside the 16-bit one.
+#define MLA_KV_INSTANTIATE_ATTENTION_QUANTIZED(A, T)             \
+  MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kFp8)      \
+  MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kFp8DsMla) \
+  MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kInt8)     \
+  MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kInt4)

@@ -22,12 +22,16 @@
 //     rows past the sequence's end are zeroed in shared memory before P.V (zero_tail).
 //   - cp.async (block pointers, other paged caches): each math warpgroup copies its own half.
 // Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
+// A quantized cache takes the cp.async variant's schedule with loads into registers instead of
+// cp.async: each math warpgroup reads its half's bytes, dequantizes them into T and stores them
+// (copy_half), so the products are the 16-bit ones.
 #pragma once
 
 #include <type_traits>
 #include <cuda.h>
 
 #include "../arch/wgmma.cuh"
+#include "../dequant.cuh"
 #include "attention_launch.h"
 #include "common.cuh"
 #include "tensor_map.h"
@@ -145,12 +149,66 @@ __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const
   }
 }
 
+// The quantized cache's copy of a warp's share of a tile half (see copy_half): 16-byte unit lane % 8 of
+// canonical chunk group * 4 + lane / 8 of the warp's 16 rows and, warpgroup 0, of the rope chunk
+// (4 rows per pass), read from rows shuffled from lane t (row_addr: the row; pair: int8 / int4's
+// (scale, zero)), dequantized into T and stored swizzled. A batch's loads all go out before its
+// stores wait on them.
+template <class T, KvFormat F>
+__device__ __forceinline__ void copy_half_dequantized(const RowLayout& layout, unsigned char* dst, const char* row_addr,
+                                                      const char* pair_addr, int group, int warp_rows, int lane) {
+  constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
+  const int unit = lane % 8;
+  auto batch = [&](auto size, bool rope, int t0) {
+    constexpr int kN = decltype(size)::value;
+    const int chunk = rope ? kRopeChunk : group * 4 + lane / 8;
+    const int col = stored_column(layout, chunk * 64) + unit * 8;
+    dequant::Raw8<F> raw[kN];
+    float2 sz[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int t = rope ? 4 * i + lane / 8 : t0 + i;
+      const char* row = reinterpret_cast<const char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t));
+      sz[i] = make_float2(layout.kv_scale, 0.f);
+      if constexpr (kTrailer) {
+        const char* pair = reinterpret_cast<const char*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(pair_addr), t));
+        sz[i] = row ? dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(pair))) : float2{};
+      } else if constexpr (F == KvFormat::kFp8DsMla) {
+        if (!rope) sz[i].x = row ? dequant::ds_tile_scale(row, col) : 0.f;
+      }
+      raw[i] = row ? dequant::load8<F>(row, col) : dequant::Raw8<F>{};
+    }
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int t = rope ? 4 * i + lane / 8 : t0 + i;
+      float v[8];
+      dequant::values8<F>(raw[i], rope, sz[i].x, sz[i].y, v);
+      *reinterpret_cast<arch::Vec<T, 8>*>(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit)) =
+          dequant::to_vec<T>(v);
+    }
+  };
+  using Eight = std::integral_constant<int, 8>;
+  batch(Eight{}, false, 0);
+  batch(Eight{}, false, 8);
+  if (group == 0) batch(std::integral_constant<int, 4>{}, true, 0);
+}
+
+// A tile row's addresses as the copies need them: the row, and an int8 / int4 row's (scale, zero).
+struct TileRow {
+  const char* row;
+  const char* pair;
+};
+
 // kTma: tiles arrive by TMA through `tile_map` (a 3-D map [num_blocks][block_size][576] of a
 // paged cache, 128-byte swizzled boxes of 64 columns x min(64, block_size) rows); otherwise by
-// cp.async from the math warpgroups.
-template <class T, class Rows, bool kTma>
+// cp.async (kFormat: the cache rows' format; quantized ones by loads) from the math warpgroups.
+template <class T, class Rows, bool kTma, KvFormat kFormat>
 __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     attention_wgmma_kernel(const AttentionParams p, const Rows rows, const __grid_constant__ CUtensorMap tile_map) {
+  constexpr bool kQuant = kFormat != KvFormat::kNone, kTrailer = kFormat == KvFormat::kInt8 || kFormat == KvFormat::kInt4;
+  static_assert(!(kTma && kQuant), "TMA copies 16-bit tiles only");
   if constexpr (arch::target_supports<arch::Sm90>()) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -206,18 +264,25 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
     // warpgroup's half (and, warpgroup 0, the rope chunk: 4 rows per pass).
     const int warp_rows = (warp % 4) * kRowsPerWarp;
-    auto row_address = [&](int first) -> const char* {
+    auto row_address = [&](int first) -> TileRow {
       const int pos = first + warp_rows + lane;
       const char* base = (lane < kRowsPerWarp && pos < w.kv_hi) ? rows.block_base(w.b, pos) : nullptr;
-      return base ? rows.row_in_block(base, pos) : nullptr;
+      if (base == nullptr) return {nullptr, nullptr};
+      return {rows.row_in_block(base, pos), kTrailer ? trailer_pair(rows, base, pos) : nullptr};
     };
-    auto copy_half = [&](int stage, const char* row_addr) {
+    auto copy_half = [&](int stage, const TileRow& row_addr) {
       unsigned char* dst = kv_s + stage * kTileBytes;
       const int unit = lane % 8;
+      if constexpr (kQuant) {
+        copy_half_dequantized<T, kFormat>(rows.cache.row, dst, row_addr.row, row_addr.pair, group, warp_rows, lane);
+        arch::fence_proxy_async();  // the stores are read by wgmma (the async proxy)
+        arch::mbarrier_arrive(&landed[2 * stage + group]);
+        return;
+      }
       // 16-byte unit `unit` of canonical chunk `chunk` (stored at element src_col of a row) of the
       // warp's row t; zeros for a null row.
       auto copy_unit = [&](int t, int chunk, int src_col) {
-        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
+        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr.row), t);
         const T* src = reinterpret_cast<const T*>(bits);
         arch::cp_async_16(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
                           src ? src + src_col : static_cast<const T*>(p.q), src != nullptr);
@@ -401,7 +466,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     };
     // A half of a stage is no longer read by this warpgroup: the TMA variant frees it for the copy
     // thread, the cp.async variant refills it here.
-    auto release = [&](int stage, bool refill, const char* row_addr) {
+    auto release = [&](int stage, bool refill, const TileRow& row_addr) {
       if constexpr (kTma) {
         arch::mbarrier_arrive(&freed[2 * stage + group]);
       } else {
@@ -414,7 +479,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
       const bool has_tile1 = 2 * pair + 1 < tiles;
       const uint32_t parity = pair & 1;
       // The next pair's row addresses are looked up a while before their copies are issued.
-      const char* next = !kTma && 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : nullptr;
+      TileRow next = !kTma && 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : TileRow{};
       float alpha[2];
       if (group == 0) {
         scores(0, parity);
@@ -429,7 +494,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
         accumulate_own(0);
         finish_accumulate();
         release(0, 2 * pair + 2 < tiles, next);  // the next tile 0's half, as this one is read
-        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : TileRow{};
         arch::named_barrier_sync(kProbs1Ready, kThreads);
         adopt_max(1, alpha);
         rescale(alpha);
@@ -462,7 +527,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs1Ready, kThreads);
         release(0, 2 * pair + 2 < tiles, next);
-        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
+        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : TileRow{};
         if (has_tile1) {
           rescale(alpha);
           zero_tail(1, j + kTokens);
@@ -532,9 +597,9 @@ namespace sm90 {
 
 static_assert(kTokens == kTmaBoxTokens, "a TMA box is one tile's rows");
 
-template <class T, class Rows, bool kTma>
+template <class T, class Rows, bool kTma, KvFormat kFormat>
 Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map, int grid_x, cudaStream_t stream) {
-  const auto kernel = attention_wgmma_kernel<T, Rows, kTma>;
+  const auto kernel = attention_wgmma_kernel<T, Rows, kTma, kFormat>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)) != cudaSuccess)
     return Status::kCudaError;
   kernel<<<dim3(grid_x, p.num_splits), kTma ? kTmaThreads : kThreads, kBytes, stream>>>(p, rows, map);
@@ -543,15 +608,15 @@ Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map
 
 }  // namespace sm90
 
-template <class T, class Rows>
+template <class T, class Rows, KvFormat F>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream) {
   CUtensorMap map{};
   Status st;
-  if constexpr (std::is_same_v<Rows, PagedTableRows>) {
-    st = sm90::make_tile_map(p, rows, map) ? sm90::launch<T, Rows, true>(p, rows, map, grid_x, stream)
-                                               : sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
+  if constexpr (std::is_same_v<Rows, PagedTableRows> && F == KvFormat::kNone) {
+    st = sm90::make_tile_map(p, rows, map) ? sm90::launch<T, Rows, true, F>(p, rows, map, grid_x, stream)
+                                               : sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
   } else {
-    st = sm90::launch<T, Rows, false>(p, rows, map, grid_x, stream);
+    st = sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
   }
   if (st != Status::kOk) return st;
   return launch_combine<T>(p, stream);

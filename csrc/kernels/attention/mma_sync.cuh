@@ -13,6 +13,7 @@
 #pragma once
 
 #include "../arch/mma.cuh"
+#include "../dequant.cuh"
 #include "attention_launch.h"
 #include "common.cuh"
 #include "tile_config.h"
@@ -50,11 +51,16 @@ struct Tiling {
   static constexpr SmemParts kSmem = smem_parts(kCfg);
 };
 
-template <class A, class T, int kConfig, class Rows>
+// kFormat: the cache rows' format (layout.h). A quantized tile is staged in registers as read (its
+// bytes) and dequantized into T as it is stored to shared memory, so the tensor-core loop is the
+// 16-bit one; quantized launches take the register-staged configurations only.
+template <class A, class T, int kConfig, class Rows, KvFormat kFormat>
 __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) attention_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
     using C = Tiling<A, kConfig>;
     constexpr SmemParts L = C::kSmem;
+    constexpr bool kQuant = kFormat != KvFormat::kNone, kTrailer = kFormat == KvFormat::kInt8 || kFormat == KvFormat::kInt4;
+    static_assert(!kQuant || C::kStages == 1, "a quantized tile is dequantized from registers");
     constexpr int kBlockM = C::kBlockM, kBlockN = C::kN, kStages = C::kStages, kRowsPerWarp = C::kRowsPerWarp;
     constexpr int kScorePitch = C::kScorePitch, kProbPitch = C::kProbPitch;
     using Mma = arch::WarpMma16<A, T>;
@@ -84,12 +90,14 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     constexpr int kLookups = kBlockN / 32;  // tile rows whose address a lane finds (1 or 2)
     static_assert(kLookups == 1 || kLookups == 2, "tile rows");
     const char* next_row[kLookups];
+    const char* next_pair[kLookups];  // int8 / int4: the row's (scale, zero) in its block's trailer
     auto lookup = [&](int j0) {
 #pragma unroll
       for (int i = 0; i < kLookups; ++i) {
         const int pos = j0 + 32 * i + lane;
         const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
         next_row[i] = base ? rows.row_in_block(base, pos) : nullptr;
+        if constexpr (kTrailer) next_pair[i] = base ? trailer_pair(rows, base, pos) : nullptr;
       }
     };
     int col_of[kVecsPerLane];  // where this lane's vectors go in a canonical smem row
@@ -99,7 +107,9 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       col_of[v] = c < kVecsPerRow ? canonical_column(rows.cache.row, c * 8) : -1;
     }
     constexpr int kStageElems = kBlockN * kPitch;
-    int4 staged[kRowsPerWarp][kVecsPerLane];  // register path only
+    int4 staged[kQuant ? 1 : kRowsPerWarp][kVecsPerLane];  // register path, 16-bit rows
+    dequant::Raw8<kFormat> raw[kQuant ? kRowsPerWarp : 1][kVecsPerLane];  // quantized rows' bytes
+    float2 row_scales[kQuant ? kRowsPerWarp : 1];  // int8 / int4: (scale, zero); fp8_ds_mla: vectors 0, 1's tile scales
     auto issue = [&](int stage) {
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
@@ -108,6 +118,25 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
         if (kLookups > 1 && r >= 32) owner = next_row[kLookups - 1];
         const auto row_bits = reinterpret_cast<unsigned long long>(owner);
         const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, row_bits, r % 32));
+        if constexpr (kQuant) {
+          const char* row = reinterpret_cast<const char*>(src);
+          if constexpr (kTrailer) {
+            const char* pair = next_pair[0];
+            if (kLookups > 1 && r >= 32) pair = next_pair[kLookups - 1];
+            pair = reinterpret_cast<const char*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(pair), r % 32));
+            row_scales[k] = row ? dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(pair))) : float2{};
+          } else if constexpr (kFormat == KvFormat::kFp8DsMla) {
+            row_scales[k] = row ? make_float2(dequant::ds_tile_scale(row, lane * 8), dequant::ds_tile_scale(row, (32 + lane) * 8))
+                                : float2{};
+          }
+#pragma unroll
+          for (int v = 0; v < kVecsPerLane; ++v) {
+            raw[k][v] = dequant::Raw8<kFormat>{};
+            if (col_of[v] >= 0 && row) raw[k][v] = dequant::load8<kFormat>(row, (lane + 32 * v) * 8);
+          }
+          continue;
+        }
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
           if (col_of[v] < 0) continue;
@@ -129,7 +158,22 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       for (int k = 0; k < kRowsPerWarp; ++k)
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
-          if (col_of[v] >= 0) *reinterpret_cast<int4*>(kv_s + (warp + k * kWarps) * kPitch + col_of[v]) = staged[k][v];
+          if (col_of[v] < 0) continue;
+          T* dst = kv_s + (warp + k * kWarps) * kPitch + col_of[v];
+          if constexpr (kQuant) {
+            float scale = rows.cache.row.kv_scale, zero = 0.f;
+            if constexpr (kTrailer) {
+              scale = row_scales[k].x;
+              zero = row_scales[k].y;
+            } else if constexpr (kFormat == KvFormat::kFp8DsMla) {
+              scale = v == 0 ? row_scales[k].x : row_scales[k].y;
+            }
+            float values[8];
+            dequant::values8<kFormat>(raw[k][v], col_of[v] >= kLatentDim, scale, zero, values);
+            arch::store<T, 8>(dst, dequant::to_vec<T>(values));
+          } else {
+            *reinterpret_cast<int4*>(dst) = staged[k][v];
+          }
         }
     };
 
@@ -350,25 +394,31 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
 }
 
 // Launches tile configuration `config` of tag A (dispatch chose one that fits the device).
-template <class A, class T, class Rows, int kConfig = 0>
+// A quantized cache takes a cp.async ring configuration's register-staged twin (tile_config.h).
+template <class A, class T, class Rows, KvFormat kFormat, int kConfig = 0>
 Status launch_tiles(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
   if constexpr (kConfig < tile_configs(A::kArch).count) {
-    if (config != kConfig) return launch_tiles<A, T, Rows, kConfig + 1>(p, rows, config, grid_x, stream);
-    const auto kernel = attention_kernel<A, T, kConfig, Rows>;
-    constexpr size_t smem = Tiling<A, kConfig>::kSmem.total();
-    if (smem > 48 * 1024 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-      return Status::kCudaError;
-    kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
-    return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+    if (config != kConfig) return launch_tiles<A, T, Rows, kFormat, kConfig + 1>(p, rows, config, grid_x, stream);
+    constexpr int kTwin = register_staged_twin(A::kArch, kConfig);
+    if constexpr (kFormat != KvFormat::kNone && kTwin != kConfig) {
+      return launch_tiles<A, T, Rows, kFormat, kTwin>(p, rows, kTwin, grid_x, stream);
+    } else {
+      const auto kernel = attention_kernel<A, T, kConfig, Rows, kFormat>;
+      constexpr size_t smem = Tiling<A, kConfig>::kSmem.total();
+      if (smem > 48 * 1024 &&
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+        return Status::kCudaError;
+      kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
+      return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+    }
   } else {
     return Status::kInvalidArgument;
   }
 }
 
-template <class A, class T, class Rows>
+template <class A, class T, class Rows, KvFormat kFormat>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
-  const Status s = launch_tiles<A, T, Rows>(p, rows, config, grid_x, stream);
+  const Status s = launch_tiles<A, T, Rows, kFormat>(p, rows, config, grid_x, stream);
   return s == Status::kOk ? launch_combine<T>(p, stream) : s;
 }
 

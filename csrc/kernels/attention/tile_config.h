@@ -83,6 +83,19 @@ constexpr TileConfigs tile_configs(Arch tag) {
   }
 }
 
+// The register-staged configuration of config i's CTA and tile shape (i itself when it is one): the
+// quantized caches' loads dequantize from registers. Fits wherever config i does (no ring).
+constexpr int register_staged_twin(Arch tag, int i) {
+  const TileConfigs list = tile_configs(tag);
+  for (int j = 0; j < list.count; ++j) {
+    const TileConfig& c = list.at[j];
+    if (c.stages == 1 && c.block_m == list.at[i].block_m && c.block_n == list.at[i].block_n &&
+        smem_bytes(c) <= smem_bytes(list.at[i]))
+      return j;
+  }
+  return -1;
+}
+
 template <Arch kTag>
 constexpr bool configs_fit_their_gpus() {
   constexpr TileConfigs list = tile_configs(kTag);
@@ -94,7 +107,7 @@ constexpr bool configs_fit_their_gpus() {
     const bool probs_ok = !c.probs_in_scores || kThreads / c.block_m <= 32;  // a row's threads in one warp
     const bool fits = smem_bytes(c) <= size_t(c.meant_for.per_block) &&
                       smem_bytes(c) + c.meant_for.reserved_per_block <= size_t(c.meant_for.per_sm);
-    if (!async_ok || !shape_ok || !probs_ok || !fits) return false;
+    if (!async_ok || !shape_ok || !probs_ok || !fits || register_staged_twin(kTag, i) < 0) return false;
   }
   return true;
 }

@@ -3,6 +3,7 @@ the cache arguments' conversion to their _C forms."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -123,16 +124,11 @@ def _check_paged_cache(kv_cache) -> None:
     _size("kv_cache", kv_cache, 2, ROW_DIM)
 
 
-def _check_block_pointer_cache(cache, dtype, *, quantized_ok: bool = False) -> None:
-    """quantized_ok: the op reads or writes the quantized formats (the writes); the others take
-    16-bit (or fp32) rows only so far."""
+def _check_block_pointer_cache(cache, dtype) -> None:
     if not isinstance(cache, BlockPointerCache):
         raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
     if cache.dtype != dtype:
         raise TypeError(f"cache: dtype {cache.dtype} differs from the inputs' {dtype}")
-    if cache.kv_format is not None and not quantized_ok:
-        raise ValueError(f"cache.kv_format: this op reads 16-bit caches only so far (the quantized formats are "
-                         f"written, not yet read), got {cache.kv_format!r}")
     _check_kv_format(cache.kv_format, cache.kv_scale, dtype, names=("cache.kv_format", "cache.kv_scale", "cache.dtype"))
     if cache.kv_format == "fp8_ds_mla" and cache.rope_first:
         raise ValueError("cache.rope_first: fp8_ds_mla rows are latent first (its 656-byte layout has no "
@@ -151,6 +147,17 @@ def _check_block_pointer_cache(cache, dtype, *, quantized_ok: bool = False) -> N
     if cache.layer_offset_bytes < 0 or cache.layer_offset_bytes % 16:
         raise ValueError(f"cache.layer_offset_bytes: must be a non-negative multiple of 16, "
                          f"got {cache.layer_offset_bytes}")
+
+
+@dataclass(frozen=True)
+class CacheSource:
+    """The cache an op reads: its format (None: values of dtype), fp8's scale, the block size (of a
+    paged cache, or block_seq_len), and the rows' dtype (a quantized cache's compute dtype)."""
+
+    kv_format: Optional[str]
+    kv_scale: Optional[float]
+    block_size: int
+    dtype: torch.dtype
 
 
 def _check_block_table(block_table, batch):

@@ -11,8 +11,9 @@ from .. import reference
 from .._checks import integer, real
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _DTYPES, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_block_table,
-                      _check_lens, _check_paged_cache, _kernel_arch, _paged_cache, _result_tensor, _same_device,
+from ._common import (_C, _DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_block_pointer_cache,
+                      _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
+                      _check_quantized_paged_cache, _kernel_arch, _paged_cache, _result_tensor, _same_device,
                       _size, _stream, _tensor, _validate_table)
 
 
@@ -187,7 +188,8 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     return p
 
 
-def _launch_attention(q, params, cache, block_table, arch, workspace, limits: Optional[SmemLimits]):
+def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, workspace,
+                      limits: Optional[SmemLimits]):
     """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
     one the op allocated stays referenced until its launches are queued (see _workspace)."""
     params.workspace = 0 if workspace is None else workspace.data_ptr()
@@ -197,22 +199,42 @@ def _launch_attention(q, params, cache, block_table, arch, workspace, limits: Op
         if isinstance(cache, BlockPointerCache):
             _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
         else:
-            _C.attention_paged(params, _paged_cache(cache), block_table.data_ptr(), block_table.stride(0),
-                               block_table.shape[1], tag, _stream(q.device))
+            _C.attention_paged(params, _paged_cache(cache, source.kv_format, source.kv_scale, source.block_size),
+                               block_table.data_ptr(), block_table.stride(0), block_table.shape[1], tag,
+                               _stream(q.device))
 
 
-def _check_attention_inputs(q, cache, block_table, batch, device_tensors):
+def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_format, kv_scale):
+    """-> (device, CacheSource). A paged cache holds rows of q's dtype, or (kv_format) quantized bytes
+    whose compute dtype is q's; a BlockPointerCache carries its own format."""
     if isinstance(cache, BlockPointerCache):
+        if kv_format is not None or kv_scale is not None:
+            raise ValueError("kv_format / kv_scale: a BlockPointerCache carries its own (cache.kv_format, "
+                             "cache.kv_scale)")
         _check_blocks_read(cache, q.dtype, batch)
-    else:
+        source = CacheSource(cache.kv_format, cache.kv_scale, cache.block_seq_len, q.dtype)
+    elif kv_format is None:
+        _check_kv_format(None, kv_scale, q.dtype)
         _check_paged_cache(cache)
         if cache.dtype != q.dtype:
             raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
         _check_block_table(block_table, batch)
-    _check_vector_aligned("q", q)
-    if not isinstance(cache, BlockPointerCache):
         _check_vector_aligned("kv_cache", cache)
-    return _same_device(**device_tensors)
+        source = CacheSource(None, None, cache.shape[1], q.dtype)
+    else:
+        scale = _check_kv_format(kv_format, kv_scale, q.dtype, names=("kv_format", "kv_scale", "q"))
+        block_size = _check_quantized_paged_cache(cache, kv_format, q.dtype)
+        _check_block_table(block_table, batch)
+        source = CacheSource(kv_format, scale, block_size, q.dtype)
+    _check_vector_aligned("q", q)
+    return _same_device(**device_tensors), source
+
+
+def _reference_format(source: CacheSource) -> dict:
+    """The reference's keywords for a (CPU) paged cache of this format."""
+    if source.kv_format is None:
+        return {}
+    return dict(kv_format=source.kv_format, kv_scale=source.kv_scale, scale_dtype=source.dtype)
 
 
 def _check_vector_aligned(name, t) -> None:
@@ -231,7 +253,8 @@ def _check_blocks_read(cache, dtype, batch) -> None:
 def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
            softmax_scale: float, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
            workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
-           validate: bool = False, arch: Optional[str] = None):
+           validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
+           kv_scale: Optional[float] = None):
     """Decode attention (S_q >= 1 new tokens per sequence) over the latent cache -> (out, lse).
 
     q [B, S_q, H, 576] = [q_lat | q_pe] (fp16, or bf16 on sm80+; any strides on B, S_q and H);
@@ -244,7 +267,11 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
     attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
     ``arch`` forces a kernel variant for testing ("sm70", "sm75", "sm80", "sm90": the Hopper wgmma
-    kernel, TMA tile loads on paged caches).
+    kernel, TMA tile loads on 16-bit paged caches).
+    A quantized paged cache: ``kv_format`` ("fp8", "fp8_ds_mla", "int8", "int4") with kv_cache in the
+    uint8 form write_kv writes (layout.paged_cache_shape) and, for "fp8", ``kv_scale``; int8 / int4
+    scales are of q's dtype. A BlockPointerCache carries its format. Every variant dequantizes the
+    tiles it reads into q's dtype: out = attention over reference.quant.dequantize_cache.
     Reference: mla_kv.reference.decode.
     """
     _check_q(q, 4)
@@ -252,9 +279,9 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     softmax_scale = real("softmax_scale", softmax_scale, above=0)
     _check_lens("seq_lens", seq_lens, batch)
     blocks = isinstance(kv_cache, BlockPointerCache)
-    device = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
+    device, source = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
         q=q, seq_lens=seq_lens, kv_cache=None if blocks else kv_cache,
-        block_table=None if blocks else block_table))
+        block_table=None if blocks else block_table), kv_format, kv_scale)
     out = _result_tensor("out", out, (batch, s_q, heads, LATENT_DIM), q.dtype, device)
     _check_vector_aligned("out", out)
     lse = _result_tensor("lse", lse, (batch, s_q, heads), _lse_dtype(q), device)
@@ -264,21 +291,22 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
         if blocks:
             have, size = kv_cache.cu_block_nums.diff(), kv_cache.block_seq_len
         else:
-            have, size = torch.full((batch,), block_table.shape[1]), kv_cache.shape[1]
+            have, size = torch.full((batch,), block_table.shape[1]), source.block_size
         _validate_table("cache.cu_block_nums" if blocks else "block_table", "seq_lens", seq_lens, q_lens, have, size)
     if device.type != "cuda":
         if blocks:
             raise ValueError("cache: block-pointer ops run on CUDA tensors only")
-        return reference.decode(q, kv_cache, block_table, seq_lens, softmax_scale, out=out, lse=lse)
+        return reference.decode(q, kv_cache, block_table, seq_lens, softmax_scale, out=out, lse=lse,
+                                **_reference_format(source))
     max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
-              else block_table.shape[1] * kv_cache.shape[1])
+              else block_table.shape[1] * source.block_size)
     if schedule is None:
         schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=batch * s_q, heads=heads)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, block_table, arch, ws, schedule.smem_limits)
+    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits)
     return out, lse
 
 
@@ -286,14 +314,15 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
             kv_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
-            validate: bool = False, arch: Optional[str] = None):
+            validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
+            kv_scale: Optional[float] = None):
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at most at T: checked with
     ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
     include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b
     positions: when causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len.
-    Cache arguments and ``arch`` as in decode. Returns out [T, H, 512] and lse [T, H] float32.
+    Cache arguments (kv_format, kv_scale included) and ``arch`` as in decode. Returns out [T, H, 512] and lse [T, H] float32.
     Reference: mla_kv.reference.prefill.
     """
     _check_q(q, 3)
@@ -307,9 +336,9 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     batch = cu_q_lens.shape[0] - 1
     _check_lens("kv_lens", kv_lens, batch)
     blocks = isinstance(kv_cache, BlockPointerCache)
-    device = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
+    device, source = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
         q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, kv_cache=None if blocks else kv_cache,
-        block_table=None if blocks else block_table))
+        block_table=None if blocks else block_table), kv_format, kv_scale)
     out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
     _check_vector_aligned("out", out)
     lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
@@ -321,16 +350,16 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
         if blocks:
             have, size = kv_cache.cu_block_nums.diff(), kv_cache.block_seq_len
         else:
-            have, size = torch.full((batch,), block_table.shape[1]), kv_cache.shape[1]
+            have, size = torch.full((batch,), block_table.shape[1]), source.block_size
         _validate_table("cache.cu_block_nums" if blocks else "block_table", "kv_lens", kv_lens, cu.diff(),
                         have, size)
     if device.type != "cuda":
         if blocks:
             raise ValueError("cache: block-pointer ops run on CUDA tensors only")
         return reference.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, causal=causal,
-                                 out=out, lse=lse)
+                                 out=out, lse=lse, **_reference_format(source))
     max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
-              else block_table.shape[1] * kv_cache.shape[1])
+              else block_table.shape[1] * source.block_size)
     if schedule is None:
         schedule = attention_schedule(batch, max(1, -(-tokens // batch)), heads, max_kv, total_q_tokens=tokens,
                                       device=device, arch=arch)
@@ -338,7 +367,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
                     total_tokens=tokens, heads=heads)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, block_table, arch, ws, schedule.smem_limits)
+    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits)
     return out, lse
 
 

@@ -1,31 +1,19 @@
 """gather_kv: each sequence's cache rows, latent first, packed into one tensor."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import reference
 from ..layout import ROW_DIM, BlockPointerCache
-from ._common import (_C, _DTYPES, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
+from ._common import (_C, _DTYPES, CacheSource, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
                       _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
                       _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device, _size, _stream,
                       _tensor, _validate_table)
 
 
-@dataclass(frozen=True)
-class GatherSource:
-    """The cache a gather reads: its format (None: values of dtype), fp8's scale, the block size of a
-    paged cache, and the rows' dtype (out's; a quantized cache's compute dtype)."""
-
-    kv_format: Optional[str]
-    kv_scale: Optional[float]
-    block_size: int
-    dtype: torch.dtype
-
-
-def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype) -> GatherSource:
+def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype) -> CacheSource:
     if isinstance(kv_cache, BlockPointerCache):
         if block_table is not None:
             raise ValueError("block_table: must be None with a BlockPointerCache (its blocks are given by "
@@ -35,10 +23,10 @@ def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype
                              "cache.kv_scale, cache.dtype)")
         if kv_cache.dtype not in _DTYPES:
             raise TypeError(f"cache: dtype must be one of {', '.join(map(str, _DTYPES))}, got {kv_cache.dtype}")
-        _check_block_pointer_cache(kv_cache, kv_cache.dtype, quantized_ok=True)
+        _check_block_pointer_cache(kv_cache, kv_cache.dtype)
         if kv_cache.batch != batch:
             raise ValueError(f"cu_kv_lens: describes {batch} sequences, cache.cu_block_nums {kv_cache.batch}")
-        return GatherSource(kv_cache.kv_format, kv_cache.kv_scale, kv_cache.block_seq_len, kv_cache.dtype)
+        return CacheSource(kv_cache.kv_format, kv_cache.kv_scale, kv_cache.block_seq_len, kv_cache.dtype)
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache: expected a torch.Tensor or a layout.BlockPointerCache, "
                         f"got {type(kv_cache).__name__}")
@@ -48,14 +36,14 @@ def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype
             raise ValueError("dtype: only a quantized cache takes one (the rows keep kv_cache's dtype)")
         _check_paged_cache(kv_cache)
         _check_block_table(block_table, batch)
-        return GatherSource(None, None, kv_cache.shape[1], kv_cache.dtype)
+        return CacheSource(None, None, kv_cache.shape[1], kv_cache.dtype)
     if dtype is None:
         raise ValueError(f"dtype: a {kv_format} cache needs the dtype of its rows (float16 or bfloat16; int8 / "
                          f"int4 also store their scales in it), or an out to take it from")
     scale = _check_kv_format(kv_format, kv_scale, dtype)
     block_size = _check_quantized_paged_cache(kv_cache, kv_format, dtype)
     _check_block_table(block_table, batch)
-    return GatherSource(kv_format, scale, block_size, dtype)
+    return CacheSource(kv_format, scale, block_size, dtype)
 
 
 def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows, block_size) -> None:

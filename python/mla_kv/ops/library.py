@@ -33,14 +33,15 @@ Schemas (``(a!)``: written in place)::
                           Tensor? readonly_lens=None, *, str rope_style="interleaved", <cache keywords>,
                           SymInt cp_size=1, SymInt cp_rank=0, bool validate=False, str? arch=None) -> ()
     decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale,
-           Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None)
-           -> (Tensor out, Tensor lse)
+           Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None,
+           str? kv_format=None, float? kv_scale=None) -> (Tensor out, Tensor lse)
     decode_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
                   SymInt layer_offset_bytes, Tensor seq_lens, float softmax_scale, Tensor(a!)? workspace, *,
                   <cache keywords>, <schedule keywords>, bool validate=False, str? arch=None) -> (Tensor, Tensor)
     prefill(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cu_q_lens, Tensor kv_lens,
             float softmax_scale, Tensor(a!)? workspace, *, bool causal=True, <schedule keywords>,
-            bool validate=False, str? arch=None) -> (Tensor out, Tensor lse)
+            bool validate=False, str? arch=None, str? kv_format=None, float? kv_scale=None)
+            -> (Tensor out, Tensor lse)
     prefill_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
                    SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor kv_lens, float softmax_scale,
                    Tensor(a!)? workspace, *, bool causal=True, <cache keywords>, <schedule keywords>,
@@ -201,11 +202,13 @@ def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, position
 def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
            workspace: Optional[Tensor], *, num_splits: Optional[int] = None,
            tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
-           tile_loads: str = "auto", validate: bool = False, arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+           tile_loads: str = "auto", validate: bool = False, arch: Optional[str] = None,
+           kv_format: Optional[str] = None, kv_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.decode -> (out, lse), with the schedule flattened."""
     schedule = _schedule(q, 4, num_splits, tokens_per_split, smem_limits, tile_loads)
     return _attention.decode(q, kv_cache, block_table, seq_lens, softmax_scale, workspace=workspace,
-                             schedule=schedule, validate=validate, arch=arch)
+                             schedule=schedule, validate=validate, arch=arch, kv_format=kv_format,
+                             kv_scale=kv_scale)
 
 
 def decode_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
@@ -228,12 +231,14 @@ def prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor,
             softmax_scale: float, workspace: Optional[Tensor], *, causal: bool = True,
             num_splits: Optional[int] = None, tokens_per_split: Optional[int] = None,
             smem_limits: Optional[List[int]] = None, tile_loads: str = "auto", validate: bool = False,
-            arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+            arch: Optional[str] = None, kv_format: Optional[str] = None,
+            kv_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.prefill -> (out, lse), with the schedule flattened. Rows of out / lse past cu_q_lens[B]
     are unspecified (the function leaves them untouched in its own fresh tensors)."""
     schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
     return _attention.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, causal=causal,
-                              workspace=workspace, schedule=schedule, validate=validate, arch=arch)
+                              workspace=workspace, schedule=schedule, validate=validate, arch=arch,
+                              kv_format=kv_format, kv_scale=kv_scale)
 
 
 def prefill_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,

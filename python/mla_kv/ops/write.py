@@ -209,7 +209,7 @@ class BlockWriteTargets:
 
 
 def _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, dtype) -> BlockWriteTargets:
-    _check_block_pointer_cache(cache, dtype, quantized_ok=True)
+    _check_block_pointer_cache(cache, dtype)
     _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
     _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
     _size("cu_q_lens", cu_q_lens, 0, cache.batch + 1)

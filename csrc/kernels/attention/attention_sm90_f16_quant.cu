@@ -1,0 +1,7 @@
+// Hopper: wgmma, f16 attention variant over the quantized caches (fp8, fp8_ds_mla, int8, int4).
+#include "attention_sm90.cuh"
+
+MLA_KV_INSTANTIATE_ATTENTION_WGMMA(__half, mla_kv::KvFormat::kFp8)
+MLA_KV_INSTANTIATE_ATTENTION_WGMMA(__half, mla_kv::KvFormat::kFp8DsMla)
+MLA_KV_INSTANTIATE_ATTENTION_WGMMA(__half, mla_kv::KvFormat::kInt8)
+MLA_KV_INSTANTIATE_ATTENTION_WGMMA(__half, mla_kv::KvFormat::kInt4)

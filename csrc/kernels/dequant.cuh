@@ -1,0 +1,123 @@
+// Dequantization of the quantized cache formats (layout.h, KvFormat), shared by the gather of a
+// quantized cache and the attention kernels' tile loads. Every value is computed in fp32 as
+// mla_kv.reference.quant computes it (an e4m3 value times its scale; an int code times the row's
+// scale, then plus its zero, two roundings: no fused multiply-add), then rounded once to the
+// compute dtype T. The unit is 8 consecutive values of a row, read as raw bits by the caller.
+#pragma once
+
+#include <cstdint>
+
+#include "arch/arch.cuh"
+#include "arch/fp8.cuh"
+#include "mla_kv/layout.h"
+
+namespace mla_kv {
+namespace dequant {
+
+// Byte offset in a stored row of the 8 values starting at element e (a multiple of 8) and the bytes
+// they take: 8 (fp8, int8, fp8_ds_mla's latent), 4 (int4), 16 (fp8_ds_mla's bf16 rope, after the 512
+// latent bytes and the 4 fp32 tile scales).
+constexpr int kDsScalesOffset = kLatentDim;
+constexpr int kDsRopeOffset = kLatentDim + 4 * 4;
+__device__ __forceinline__ int vector_byte(KvFormat f, int e) {
+  switch (f) {
+    case KvFormat::kInt4: return e / 2;
+    case KvFormat::kFp8DsMla: return e < kLatentDim ? e : kDsRopeOffset + 2 * (e - kLatentDim);
+    default: return e;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
+  arch::Vec<T, 8> r;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) r.v[k] = arch::from_float<T>(v[k]);
+  return r;
+}
+
+// 8 e4m3 bytes (lo: values 0..3) times scale.
+__device__ __forceinline__ void fp8_values(uint2 bytes, float scale, float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
+}
+
+__device__ __forceinline__ void int_codes_values(const uint32_t (&c)[8], float scale, float zero, float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(float(c[k]), scale), zero);
+}
+// 8 int8 codes times scale plus zero.
+__device__ __forceinline__ void int8_values(uint2 bytes, float scale, float zero, float (&v)[8]) {
+  uint32_t c[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) c[k] = ((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu;
+  int_codes_values(c, scale, zero, v);
+}
+// One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7.
+__device__ __forceinline__ void int4_values(uint32_t word, float scale, float zero, float (&v)[8]) {
+  uint32_t c[8];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) c[(n & 3) * 2 + (n >> 2)] = (word >> (4 * n)) & 0xFu;
+  int_codes_values(c, scale, zero, v);
+}
+
+// 8 bf16 values (fp8_ds_mla's rope).
+__device__ __forceinline__ void bf16_values(uint4 bits, float (&v)[8]) {
+  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = __uint_as_float((k & 1 ? w[k / 2] >> 16 : w[k / 2] & 0xFFFFu) << 16);
+}
+
+// An int8 / int4 row's (scale, zero) pair: two values of T in one 32-bit word, scale first.
+template <class T>
+__device__ __forceinline__ float2 scale_zero(uint32_t pair) {
+  const arch::Vec<T, 2> v = *reinterpret_cast<const arch::Vec<T, 2>*>(&pair);
+  return make_float2(arch::to_float(v.v[0]), arch::to_float(v.v[1]));
+}
+
+// The raw bits of 8 values of a row, what a tile load stages in registers.
+template <KvFormat F>
+struct Raw8Of { using type = uint2; };
+template <>
+struct Raw8Of<KvFormat::kInt4> { using type = uint32_t; };
+template <>
+struct Raw8Of<KvFormat::kFp8DsMla> { using type = uint4; };  // the rope's 8 bf16 (the latent's 8 e4m3 in x, y)
+template <KvFormat F>
+using Raw8 = typename Raw8Of<F>::type;
+
+// The 8 values of `row` from stored element e (a multiple of 8), read-only path.
+template <KvFormat F>
+__device__ __forceinline__ Raw8<F> load8(const char* row, int e) {
+  const char* at = row + vector_byte(F, e);
+  if constexpr (F == KvFormat::kInt4) {
+    return __ldg(reinterpret_cast<const unsigned*>(at));
+  } else if constexpr (F == KvFormat::kFp8DsMla) {
+    if (e >= kLatentDim) return __ldg(reinterpret_cast<const uint4*>(at));
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(at));
+    return make_uint4(u.x, u.y, 0u, 0u);
+  } else {
+    return __ldg(reinterpret_cast<const uint2*>(at));
+  }
+}
+
+// fp8_ds_mla: the scale of the latent tile holding element e < 512.
+__device__ __forceinline__ float ds_tile_scale(const char* row, int e) {
+  return __ldg(reinterpret_cast<const float*>(row + kDsScalesOffset) + e / 128);
+}
+
+// Raw bits -> the 8 values. scale: fp8's kv_scale, fp8_ds_mla's tile scale (unused for its rope,
+// rope = the values are of stored elements >= 512), the row's scale for int8 / int4 (zero: its zero).
+template <KvFormat F>
+__device__ __forceinline__ void values8(const Raw8<F>& raw, bool rope, float scale, float zero, float (&v)[8]) {
+  if constexpr (F == KvFormat::kFp8) {
+    fp8_values(raw, scale, v);
+  } else if constexpr (F == KvFormat::kFp8DsMla) {
+    if (rope) bf16_values(raw, v); else fp8_values(make_uint2(raw.x, raw.y), scale, v);
+  } else if constexpr (F == KvFormat::kInt8) {
+    int8_values(raw, scale, zero, v);
+  } else {
+    int4_values(raw, scale, zero, v);
+  }
+}
+
+}  // namespace dequant
+}  // namespace mla_kv
