@@ -257,6 +257,6 @@ def test_block_pointer_cache_formats_are_checked():
     with pytest.raises(ValueError, match="CUDA tensors only"):  # a valid quantized cache: then the device check
         write(kv_format="int4")
     q = torch.randn(1, 1, 4, 576).half()
-    with pytest.raises(ValueError, match="cache.kv_format: this op reads 16-bit caches only"):
+    with pytest.raises(ValueError, match="CUDA tensors only"):  # decode reads it: then the device check
         mla_kv.decode(q, layout.BlockPointerCache(base.block_ptrs, base.cu_block_nums, 16, 0, torch.float16,
                                                   kv_format="int8"), None, torch.ones(1, dtype=torch.int32), 0.1)
