@@ -123,7 +123,8 @@ def calls() -> List[Tuple[str, object]]:
     out += [(f"merge_states/{dt}", MergeCase(dtype=dt, shape=(3, 7), give_out=True))
             for dt in ("float16", "bfloat16", "float32")]
     out.append(("merge_states/float16/dim31-strided", MergeCase(shape=(2, 3, 5), dim=31, pads=(1, 7, 2))))
-    # Quantized caches: the quantizing write and the dequantizing gather, every format, both tags' paths.
+    # Quantized caches: the quantizing write, the dequantizing gather and decode (Hopper's and the
+    # mma.sync kernel's dequantizing tile loads), every format, both tags' paths.
     out += [(f"quantized/{fmt}/{arch or 'best'}/{dt}", QuantCase(kv_format=fmt, arch=arch, dtype=dt))
             for fmt in ("fp8", "fp8_ds_mla", "int8", "int4") for arch in (None, "sm70")
             for dt in ("float16",) + (("bfloat16",) if arch is None else ())]

@@ -758,7 +758,8 @@ def run_cp(case: CpCase, device, seed: int) -> Outcome:
 class QuantCase:
     """fused_write_kv into a quantized paged cache, then gather_kv of it: the written bytes equal the
     spec's quantizer (mla_kv.reference.quant) of the rows the 16-bit fused write gives, the gathered
-    rows equal the reference gather of the cache, bit for bit."""
+    rows equal the reference gather of the cache, bit for bit; then decode over a quantized cache
+    equals the reference attention over its dequantized rows."""
 
     kv_format: str = "int8"
     arch: Optional[str] = None
@@ -813,7 +814,30 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
     got = out[:total].cpu()
     differ = int((bits(got) != bits(spec)).logical_and(~(got.isnan() & spec.isnan())).sum())
     problems += [f"gather_kv[{fmt}] rows: {differ} elements differ from the reference"] if differ else []
-    return Outcome(problems, changed + can.changed_bytes(out[:total]))
+    changed += can.changed_bytes(out[:total])
+    # decode over a cache of valid rows (the one above keeps random bytes, NaN codes among them, in
+    # its unwritten slots): two sequences over the shuffled table, against the float64 reference.
+    rows = can.tensor(layout.paged_cache_shape(fmt, case.num_blocks, bs, dtype), torch.uint8)
+    quant.write_rows(rows, randn((case.num_blocks * bs, 576), gen, device).to(dtype),
+                     torch.arange(case.num_blocks * bs, device=device), fmt, kv_scale=scale)
+    tables = can.tensor((2, case.num_blocks), torch.int32)
+    tables.copy_(table.expand(2, -1))
+    lens = can.tensor((2,), torch.int32)
+    lens.copy_(torch.tensor([3, case.num_blocks * bs - 1], dtype=torch.int32))
+    q = can.tensor((2, 2, 8, 576), dtype)
+    q.copy_(randn(q.shape, gen, device, 0.3))
+    att_out, att_lse = can.tensor((2, 2, 8, 512), dtype), can.tensor((2, 2, 8), torch.float32)
+    _, failed = _call(lambda: mla_kv.decode(q, rows, tables, lens, 0.07, out=att_out, lse=att_lse, kv_format=fmt,
+                                            kv_scale=scale, arch=case.arch), None, can)
+    if failed:
+        return failed
+    ref_out, ref_lse = reference.decode(q.double().cpu(), rows.cpu(), tables.cpu(), lens.cpu(), 0.07, kv_format=fmt,
+                                        kv_scale=scale, scale_dtype=dtype)
+    err = float((att_out.double().cpu() - ref_out).abs().max())
+    lse_err = float((att_lse.double().cpu() - ref_lse).abs().max())
+    if not (err < 2e-2 and lse_err < 2e-2):
+        problems.append(f"decode[{fmt}]: out error {err:.3g}, lse error {lse_err:.3g} against the reference")
+    return Outcome(problems, changed + can.changed_bytes(att_out, att_lse))
 
 
 RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
