@@ -41,7 +41,7 @@ __device__ __forceinline__ void gather_row(const Rows& rows, const char* base, i
   }
   if (lane < 8) {
     const int e = layout.rope_offset + lane * 8;
-    dequant::values8<F>(dequant::load8<F>(row, e), true, layout.kv_scale, zero, v);
+    dequant::values8<F>(dequant::load8<F>(row, e), true, scale, zero, v);  // (fp8_ds_mla's rope: none)
     arch::store<T, 8>(out + kLatentDim + lane * 8, dequant::to_vec<T>(v));
   }
 }
