@@ -41,7 +41,7 @@ ARCH_CUH = "csrc/kernels/arch/arch.cuh"
 MMA_CUH = "csrc/kernels/arch/mma.cuh"
 WGMMA_CUH = "csrc/kernels/arch/wgmma.cuh"
 FP8_CUH = "csrc/kernels/arch/fp8.cuh"
-DEQUANT_CUH = "csrc/kernels/gather/gather_kv_dequant.cuh"
+DEQUANT_CUH = "csrc/kernels/dequant.cuh"
 GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
 COMMON_CUH = "csrc/kernels/attention/common.cuh"
 MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
@@ -57,6 +57,7 @@ T_SCORES = ("tests/test_attention_scores.py",)  # built score patterns: jumps, g
 T_GUARDS = ("tests/test_attention_guards.py",)  # reads past the table, NaN canaries around targets
 T_QUANT_WRITE = ("tests/test_write_quant.py",)
 T_QUANT_GATHER = ("tests/test_gather_quant.py",)
+T_QUANT_ATTENTION = ("tests/test_attention_quant.py",)
 T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
 # does, only tests that plant such scores (named after score jumps / patterns in the suite).
@@ -261,6 +262,15 @@ MUTATIONS = (
              "lookup(j0 + 2 * kBlockN);", "lookup(j0 + kBlockN);", T_ATTENTION,
              "Volta/Turing register staging: the tile after next gets the next tile's rows"),
     # ------------------------------------------------------------------ Sm90 wgmma kernel
+    Mutation("sm90-dequant-ds-tile-scale", "attention", ("Sm90",), ("quantized",), SM90_CUH,
+             "auto scale_of = [&](float2 s, int c) { return F == KvFormat::kFp8DsMla && c >= 2 ? s.y : s.x; };",
+             "auto scale_of = [&](float2 s, int c) { return s.x; };", T_QUANT_ATTENTION,
+             "Hopper dequant: fp8_ds_mla's second latent tile of a half takes the first one's scale",
+             focus="fp8_ds_mla"),
+    Mutation("sm90-dequant-rope-latent-first", "attention", ("Sm90",), ("quantized", "block pointers"), SM90_CUH,
+             "const int e = stored_column(layout, kLatentDim);", "const int e = kLatentDim;", T_QUANT_ATTENTION,
+             "Hopper dequant: rope-first block-pointer rows' rope read at the latent-first offset",
+             focus="blocks"),
     Mutation("sm90-mask-one-past", "attention", ("Sm90",), ("mask", "softmax"), SM90_CUH,
              "x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] ? x * scale_log2 : -INFINITY;",
              "x = j + 8 * jj + 2 * (lane % 4) + e <= row_limit[hh] ? x * scale_log2 : -INFINITY;", T_ATTENTION,

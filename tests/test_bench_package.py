@@ -213,7 +213,7 @@ def test_run_calls_the_ops_main(monkeypatch):
 
 
 # ---- each op's main with the measurements faked: its table, JSON keys and plot on the CPU ----------
-def _decode_row(batch, ctx, heads, dtype, layout, gen, arch=None, gpu=None):
+def _decode_row(batch, ctx, heads, dtype, layout, gen, arch=None, gpu=None, kv_format=None):
     return {"arch": arch or "auto", "gpu": gpu or "-", "tiles": "64x64/2 226K", "layout": layout,
             "dtype": str(dtype).split(".")[1], "B": batch, "ctx": ctx, "H": heads, "splits": 1, "ms": 0.1,
             "GB/s": 3000.0, "TFLOP/s": 50.0, "native_ms": None, "native_GB/s": None}

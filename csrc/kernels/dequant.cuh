@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "arch/arch.cuh"
 #include "arch/fp8.cuh"
@@ -30,33 +31,66 @@ __device__ __forceinline__ int vector_byte(KvFormat f, int e) {
 template <class T>
 __device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
   arch::Vec<T, 8> r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (!std::is_same_v<T, float>) {  // one cvt per pair (the same roundings)
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+      if constexpr (std::is_same_v<T, __half>) {
+        *reinterpret_cast<__half2*>(&r.v[k]) = __floats2half2_rn(v[k], v[k + 1]);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(&r.v[k]) = __floats2bfloat162_rn(v[k], v[k + 1]);
+      }
+    }
+    return r;
+  }
+#endif
 #pragma unroll
   for (int k = 0; k < 8; ++k) r.v[k] = arch::from_float<T>(v[k]);
   return r;
 }
 
-// 8 e4m3 bytes (lo: values 0..3) times scale.
+// 8 e4m3 bytes (lo: values 0..3) times scale. The Sm90 tag converts pairs to (exact) halves in
+// hardware; the integer path (arch/fp8.cuh) gives the same values.
+template <class A>
 __device__ __forceinline__ void fp8_values(uint2 bytes, float scale, float (&v)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (A::kMinCudaArch >= 900) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint16_t pair = uint16_t((k < 2 ? bytes.x : bytes.y) >> (16 * (k & 1)));
+      uint32_t halves;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&halves));
+      v[2 * k] = __fmul_rn(f.x, scale);
+      v[2 * k + 1] = __fmul_rn(f.y, scale);
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
 }
 
-__device__ __forceinline__ void int_codes_values(const uint32_t (&c)[8], float scale, float zero, float (&v)[8]) {
+// An int code (< 2^23) as a float without a conversion instruction: its bits under 2^23's exponent.
+__device__ __forceinline__ float code_value(uint32_t code_bits_with_exponent) {
+  return __uint_as_float(code_bits_with_exponent) - 8388608.f;
+}
+__device__ __forceinline__ void int_codes_values(const float (&c)[8], float scale, float zero, float (&v)[8]) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(float(c[k]), scale), zero);
+  for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(c[k], scale), zero);
 }
 // 8 int8 codes times scale plus zero.
 __device__ __forceinline__ void int8_values(uint2 bytes, float scale, float zero, float (&v)[8]) {
-  uint32_t c[8];
+  float c[8];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) c[k] = ((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu;
+  for (int k = 0; k < 8; ++k) c[k] = code_value(__byte_perm(k < 4 ? bytes.x : bytes.y, 0x4B000000u, 0x7540u + (k & 3)));
   int_codes_values(c, scale, zero, v);
 }
 // One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7.
 __device__ __forceinline__ void int4_values(uint32_t word, float scale, float zero, float (&v)[8]) {
-  uint32_t c[8];
+  float c[8];
 #pragma unroll
-  for (int n = 0; n < 8; ++n) c[(n & 3) * 2 + (n >> 2)] = (word >> (4 * n)) & 0xFu;
+  for (int n = 0; n < 8; ++n) c[(n & 3) * 2 + (n >> 2)] = code_value(0x4B000000u | ((word >> (4 * n)) & 0xFu));
   int_codes_values(c, scale, zero, v);
 }
 
@@ -106,12 +140,12 @@ __device__ __forceinline__ float ds_tile_scale(const char* row, int e) {
 
 // Raw bits -> the 8 values. scale: fp8's kv_scale, fp8_ds_mla's tile scale (unused for its rope,
 // rope = the values are of stored elements >= 512), the row's scale for int8 / int4 (zero: its zero).
-template <KvFormat F>
+template <class A, KvFormat F>
 __device__ __forceinline__ void values8(const Raw8<F>& raw, bool rope, float scale, float zero, float (&v)[8]) {
   if constexpr (F == KvFormat::kFp8) {
-    fp8_values(raw, scale, v);
+    fp8_values<A>(raw, scale, v);
   } else if constexpr (F == KvFormat::kFp8DsMla) {
-    if (rope) bf16_values(raw, v); else fp8_values(make_uint2(raw.x, raw.y), scale, v);
+    if (rope) bf16_values(raw, v); else fp8_values<A>(make_uint2(raw.x, raw.y), scale, v);
   } else if constexpr (F == KvFormat::kInt8) {
     int8_values(raw, scale, zero, v);
   } else {

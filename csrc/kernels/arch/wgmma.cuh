@@ -122,6 +122,15 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 #endif
 }
+// Whether `bar`'s phase of parity `parity` has completed (does not wait).
+__device__ __forceinline__ bool mbarrier_done(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 1;
+#if MLA_KV_HAS_WGMMA
+  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(parity) : "memory");
+#endif
+  return done != 0;
+}
 // Moves registers between warpgroups (every thread of a warpgroup executes it with the same count).
 template <int kRegisters>
 __device__ __forceinline__ void grow_registers() {

@@ -22,9 +22,11 @@
 //     rows past the sequence's end are zeroed in shared memory before P.V (zero_tail).
 //   - cp.async (block pointers, other paged caches): each math warpgroup copies its own half.
 // Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
-// A quantized cache takes the cp.async variant's schedule with loads into registers instead of
-// cp.async: each math warpgroup reads its half's bytes, dequantizes them into T and stores them
-// (copy_half), so the products are the 16-bit ones.
+//   - dequantize (quantized caches): the TMA variant's warpgroups, the third one's 128 threads reading
+//     each half's bytes by cp.async and dequantizing them into T in place (dequantize_tiles), so
+//     the products are the 16-bit ones and the math warpgroups never wait on a load.
+//     (Loads into the math warpgroups' registers spilled beside the accumulators and exposed a
+//     memory latency per few rows: 2.3x slower than the 16-bit cache, RESULTS.md.)
 #pragma once
 
 #include <type_traits>
@@ -149,63 +151,167 @@ __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const
   }
 }
 
-// The quantized cache's copy of a warp's share of a tile half (see copy_half): 16-byte unit lane % 8 of
-// canonical chunk group * 4 + lane / 8 of the warp's 16 rows and, warpgroup 0, of the rope chunk
-// (4 rows per pass), read from rows shuffled from lane t (row_addr: the row; pair: int8 / int4's
-// (scale, zero)), dequantized into T and stored swizzled. Loads go out 4 rows at a time before their
-// stores wait on them: the raw bits of 8 rows beside the 128 accumulator registers spill (ptxas -v).
-template <class T, KvFormat F>
-__device__ __forceinline__ void copy_half_dequantized(const RowLayout& layout, unsigned char* dst, const char* row_addr,
-                                                      const char* pair_addr, int group, int warp_rows, int lane) {
-  constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
-  const int unit = lane % 8;
-  auto batch = [&](auto size, bool rope, int t0) {
-    constexpr int kN = decltype(size)::value;
-    const int chunk = rope ? kRopeChunk : group * 4 + lane / 8;
-    const int col = stored_column(layout, chunk * 64) + unit * 8;
-    dequant::Raw8<F> raw[kN];
-    float2 sz[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      const int t = rope ? 4 * i + lane / 8 : t0 + i;
-      const char* row = reinterpret_cast<const char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t));
-      sz[i] = make_float2(layout.kv_scale, 0.f);
-      if constexpr (kTrailer) {
-        const char* pair = reinterpret_cast<const char*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(pair_addr), t));
-        sz[i] = row ? dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(pair))) : float2{};
-      } else if constexpr (F == KvFormat::kFp8DsMla) {
-        if (!rope) sz[i].x = row ? dequant::ds_tile_scale(row, col) : 0.f;
-      }
-      raw[i] = row ? dequant::load8<F>(row, col) : dequant::Raw8<F>{};
-    }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      const int t = rope ? 4 * i + lane / 8 : t0 + i;
-      float v[8];
-      dequant::values8<F>(raw[i], rope, sz[i].x, sz[i].y, v);
-      *reinterpret_cast<arch::Vec<T, 8>*>(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit)) =
-          dequant::to_vec<T>(v);
-    }
-  };
-  for (int t0 = 0; t0 < kRowsPerWarp; t0 += 4) batch(std::integral_constant<int, 4>{}, false, t0);
-  if (group == 0) batch(std::integral_constant<int, 4>{}, true, 0);
-}
+// Quantized caches: the third warpgroup (as TMA's copy warpgroup, with the registers of
+// kQuantCopyRegisters) moves every tile, half by half as the math warpgroups free them. A half's bytes
+// go by cp.async into the back of the half's own 16-bit region (chunks 4 h .. 4 h + 3, block-major:
+// chunk c's 64 rows together; the rope's at the back of the rope chunk), then are dequantized in
+// place, each chunk written once the bytes it lands on have been read by every thread (named
+// barriers of the copy warpgroup): chunks 0 and 1 below the raw bytes, chunk 2 over chunk 0 and 1's,
+// the rope and chunk 3 over their own. Thread i owns tile row i / 2 and values 32 (i % 2) ..
+// + 31 of each of its 64-column chunks. The bytes of the next half are in flight while one is
+// dequantized when it is free (no further: the math warpgroups free tile t + 2's second half only
+// once tile t + 1 has landed). Rows past the sequence's end read as zero bytes with a zero scale: their values are 0.
+constexpr int kDequantBarrier = kTailZeroed + 2;  // the copy warpgroup's own (kTailZeroed + warpgroup: 5, 6)
+constexpr int kQuantMathRegisters = 208, kQuantCopyRegisters = 88;
+static_assert((2 * kQuantMathRegisters + kQuantCopyRegisters) * 128 <= (65536 / kTmaThreads) / 8 * 8 * kTmaThreads,
+              "the CTA's register pool");
 
-// A tile row's addresses as the copies need them: the row, and an int8 / int4 row's (scale, zero).
-struct TileRow {
-  const char* row;
-  const char* pair;
+template <KvFormat F>
+struct QuantRow {
+  static constexpr int kChunkBytes = F == KvFormat::kInt4 ? 32 : 64;  // 64 latent values of a row
+  static constexpr int kRopeBytes = F == KvFormat::kFp8DsMla ? 128 : kChunkBytes;  // its 64 rope values
 };
 
+// Raw8 number i of a thread's 32 values of a row (dequant.cuh's units of 8 values) in shared memory.
+template <KvFormat F>
+__device__ __forceinline__ dequant::Raw8<F> raw8_at(const unsigned char* src, int i, bool rope) {
+  if constexpr (F == KvFormat::kInt4) {
+    return reinterpret_cast<const uint32_t*>(src)[i];
+  } else if constexpr (F == KvFormat::kFp8DsMla) {
+    if (rope) return reinterpret_cast<const uint4*>(src)[i];
+    const uint2 u = reinterpret_cast<const uint2*>(src)[i];
+    return make_uint4(u.x, u.y, 0u, 0u);
+  } else {
+    return reinterpret_cast<const uint2*>(src)[i];
+  }
+}
+
+template <class T, KvFormat F, class Rows>
+__device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w, unsigned char* kv_s, uint64_t* landed,
+                                                 uint64_t* freed, const void* zero_src, int thread) {
+  using Q = QuantRow<F>;
+  constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
+  const RowLayout& layout = rows.cache.row;
+  const int r = thread / 2, side = thread % 2;
+  auto latent_raw = [&](int stage, int half) {  // chunk c's raw rows start at + c * 64 * Q::kChunkBytes
+    return kv_s + stage * kTileBytes + (4 * half + 4) * kChunkBytes - 4 * kTokens * Q::kChunkBytes;
+  };
+  auto rope_raw = [&](int stage) {
+    return kv_s + stage * kTileBytes + (kRopeChunk + 1) * kChunkBytes - kTokens * Q::kRopeBytes;
+  };
+  // Copies row r's bytes of (tile t, half) (this thread's half of them) and returns what its values
+  // are scaled by: int8 / int4's (scale, zero); fp8_ds_mla's tile scales of the half; fp8: kv_scale.
+  auto issue = [&](int t, int half) -> float2 {
+    const int stage = t & 1, pos = w.kv_lo + t * kTokens + r;
+    const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
+    const char* row = base ? rows.row_in_block(base, pos) : nullptr;
+    constexpr int kUnits = 2 * Q::kChunkBytes / 16;  // this side's chunks 2 side, 2 side + 1
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      const int c = 2 * side + u / (Q::kChunkBytes / 16), byte = (u % (Q::kChunkBytes / 16)) * 16;
+      const int e = stored_column(layout, 256 * half + 64 * c);
+      arch::cp_async_16(latent_raw(stage, half) + c * kTokens * Q::kChunkBytes + r * Q::kChunkBytes + byte,
+                        row ? row + dequant::vector_byte(F, e) + byte : zero_src, row != nullptr);
+    }
+    if (half == 0) {
+      const int e = stored_column(layout, kLatentDim);
+#pragma unroll
+      for (int u = 0; u < Q::kRopeBytes / 32; ++u) {
+        const int byte = side * (Q::kRopeBytes / 2) + u * 16;
+        arch::cp_async_16(rope_raw(stage) + r * Q::kRopeBytes + byte, row ? row + dequant::vector_byte(F, e) + byte : zero_src,
+                          row != nullptr);
+      }
+    }
+    arch::cp_async_commit();
+    if (row == nullptr) return make_float2(0.f, 0.f);
+    if constexpr (kTrailer) {
+      return dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(trailer_pair(rows, base, pos))));
+    } else if constexpr (F == KvFormat::kFp8DsMla) {
+      return __ldg(reinterpret_cast<const float2*>(row + dequant::kDsScalesOffset) + half);
+    } else {
+      return make_float2(layout.kv_scale, 0.f);
+    }
+  };
+  using Raw = dequant::Raw8<F>[4];
+  auto load = [&](const unsigned char* src, bool rope, Raw& raw) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) raw[q] = raw8_at<F>(src, q, rope);
+  };
+  auto store = [&](const Raw& raw, bool rope, float scale, float zero, unsigned char* chunk) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v[8];
+      dequant::values8<arch::Sm90, F>(raw[q], rope, scale, zero, v);
+      *reinterpret_cast<arch::Vec<T, 8>*>(chunk + arch::swizzled_offset(r, 4 * side + q)) = dequant::to_vec<T>(v);
+    }
+  };
+  // Chunk c's scale: int8 / int4's row scale, fp8_ds_mla's tile (2 half + c / 2), fp8's kv_scale.
+  auto scale_of = [&](float2 s, int c) { return F == KvFormat::kFp8DsMla && c >= 2 ? s.y : s.x; };
+  auto dequantize = [&](int t, int half, float2 s) {
+    const int stage = t & 1;
+    unsigned char* dst = kv_s + stage * kTileBytes + 4 * half * kChunkBytes;
+    const unsigned char* raw_rows = latent_raw(stage, half) + r * Q::kChunkBytes + side * (Q::kChunkBytes / 2);
+    const float zero = kTrailer ? s.y : 0.f;
+    arch::named_barrier_sync(kDequantBarrier, kGroupThreads);  // every thread's bytes have landed
+    auto chunk = [&](int c) {
+      Raw raw;
+      load(raw_rows + c * kTokens * Q::kChunkBytes, false, raw);
+      store(raw, false, scale_of(s, c), zero, dst + c * kChunkBytes);
+    };
+    chunk(0);
+    chunk(1);
+    arch::named_barrier_sync(kDequantBarrier, kGroupThreads);  // fp8 / int8: chunk 2 lands on 0 and 1's bytes
+    chunk(2);
+    // The rope and chunk 3 land on their own bytes: each is held in registers (one at a time) while
+    // the other threads read theirs.
+    if (half == 0) {
+      Raw rope;
+      load(rope_raw(stage) + r * Q::kRopeBytes + side * (Q::kRopeBytes / 2), true, rope);
+      arch::named_barrier_sync(kDequantBarrier, kGroupThreads);
+      store(rope, true, s.x, zero, kv_s + stage * kTileBytes + kRopeChunk * kChunkBytes);
+    }
+    Raw last;
+    load(raw_rows + 3 * kTokens * Q::kChunkBytes, false, last);
+    arch::named_barrier_sync(kDequantBarrier, kGroupThreads);
+    store(last, false, scale_of(s, 3), zero, dst + 3 * kChunkBytes);
+    arch::fence_proxy_async();  // the stores are read by wgmma (the async proxy)
+    arch::mbarrier_arrive(&landed[2 * stage + half]);
+  };
+  // Step k puts half k's bytes in flight and dequantizes half k - 1: half k first if the math
+  // warpgroups have freed it already (a per-thread choice), else after half k - 1, so that the
+  // dequantization never waits on the math warpgroups.
+  const int steps = 2 * tiles_of(w);
+  float2 pending = make_float2(0.f, 0.f);
+#pragma unroll 1
+  for (int k = 0; k <= steps; ++k) {
+    const int t = k / 2, half = k % 2, use = t >> 1;
+    uint64_t* free_k = &freed[2 * (t & 1) + half];
+    const bool early = k < steps && (use == 0 || arch::mbarrier_done(free_k, (use - 1) & 1));
+    float2 s = make_float2(0.f, 0.f);
+    if (early) s = issue(t, half);
+    if (k > 0) {
+      if (early) arch::cp_async_wait<1>(); else arch::cp_async_wait<0>();
+      dequantize((k - 1) / 2, (k - 1) % 2, pending);
+    }
+    if (k < steps && !early) {
+      arch::mbarrier_wait(free_k, (use - 1) & 1);
+      s = issue(t, half);
+    }
+    pending = s;
+  }
+}
+
+// A third (copy) warpgroup moves the tiles of the TMA variant and of a quantized cache.
+constexpr bool has_copy_group(bool tma, KvFormat f) { return tma || f != KvFormat::kNone; }
+
 // kTma: tiles arrive by TMA through `tile_map` (a 3-D map [num_blocks][block_size][576] of a
-// paged cache, 128-byte swizzled boxes of 64 columns x min(64, block_size) rows); otherwise by
-// cp.async (kFormat: the cache rows' format; quantized ones by loads) from the math warpgroups.
+// paged cache, 128-byte swizzled boxes of 64 columns x min(64, block_size) rows); a quantized cache
+// (kFormat) is dequantized by the copy warpgroup (dequantize_tiles); otherwise the math warpgroups
+// copy 16-bit rows by cp.async.
 template <class T, class Rows, bool kTma, KvFormat kFormat>
-__global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
+__global__ void __launch_bounds__(has_copy_group(kTma, kFormat) ? kTmaThreads : kThreads, 1)
     attention_wgmma_kernel(const AttentionParams p, const Rows rows, const __grid_constant__ CUtensorMap tile_map) {
-  constexpr bool kQuant = kFormat != KvFormat::kNone, kTrailer = kFormat == KvFormat::kInt8 || kFormat == KvFormat::kInt4;
+  constexpr bool kQuant = kFormat != KvFormat::kNone, kCopyGroup = has_copy_group(kTma, kFormat);
   static_assert(!(kTma && kQuant), "TMA copies 16-bit tiles only");
   if constexpr (arch::target_supports<arch::Sm90>()) {
     extern __shared__ unsigned char smem_raw[];
@@ -249,7 +355,14 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
       arch::cp_async_commit();
     }
     __syncthreads();  // the mbarriers are initialized
-    if constexpr (kTma) {
+    if constexpr (kQuant) {
+      if (warp >= kThreads / 32) {
+        arch::shrink_registers<kQuantCopyRegisters>();
+        dequantize_tiles<T, kFormat>(rows, w, kv_s, landed, freed, p.q, tid - kThreads);
+        return;
+      }
+      arch::grow_registers<kQuantMathRegisters>();
+    } else if constexpr (kTma) {
       if (warp >= kThreads / 32) {
         arch::shrink_registers<kCopyRegisters>();
         if (tid == kThreads) copy_tiles_tma(rows, w, tile_map, kv_s, landed, freed, first_blocks);
@@ -262,25 +375,18 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
     // warpgroup's half (and, warpgroup 0, the rope chunk: 4 rows per pass).
     const int warp_rows = (warp % 4) * kRowsPerWarp;
-    auto row_address = [&](int first) -> TileRow {
+    auto row_address = [&](int first) -> const char* {
       const int pos = first + warp_rows + lane;
       const char* base = (lane < kRowsPerWarp && pos < w.kv_hi) ? rows.block_base(w.b, pos) : nullptr;
-      if (base == nullptr) return {nullptr, nullptr};
-      return {rows.row_in_block(base, pos), kTrailer ? trailer_pair(rows, base, pos) : nullptr};
+      return base ? rows.row_in_block(base, pos) : nullptr;
     };
-    auto copy_half = [&](int stage, const TileRow& row_addr) {
+    auto copy_half = [&](int stage, const char* row_addr) {
       unsigned char* dst = kv_s + stage * kTileBytes;
       const int unit = lane % 8;
-      if constexpr (kQuant) {
-        copy_half_dequantized<T, kFormat>(rows.cache.row, dst, row_addr.row, row_addr.pair, group, warp_rows, lane);
-        arch::fence_proxy_async();  // the stores are read by wgmma (the async proxy)
-        arch::mbarrier_arrive(&landed[2 * stage + group]);
-        return;
-      }
       // 16-byte unit `unit` of canonical chunk `chunk` (stored at element src_col of a row) of the
       // warp's row t; zeros for a null row.
       auto copy_unit = [&](int t, int chunk, int src_col) {
-        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr.row), t);
+        const auto bits = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_addr), t);
         const T* src = reinterpret_cast<const T*>(bits);
         arch::cp_async_16(dst + chunk * kChunkBytes + arch::swizzled_offset(warp_rows + t, unit),
                           src ? src + src_col : static_cast<const T*>(p.q), src != nullptr);
@@ -296,7 +402,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
       }
       arch::cp_async_arrive(&landed[2 * stage + group]);
     };
-    if constexpr (!kTma) {
+    if constexpr (!kCopyGroup) {
       if (tiles > 0) copy_half(0, row_address(w.kv_lo));
       if (tiles > 1) copy_half(1, row_address(w.kv_lo + kTokens));
     }
@@ -324,7 +430,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     auto scores = [&](int stage, uint32_t parity) {
       const uint64_t k_desc = arch::swizzled_desc(kv_s + stage * kTileBytes, 16, arch::kSwizzleAtomBytes);
       arch::mbarrier_wait(&landed[2 * stage], parity);
-      if constexpr (!kTma) arch::fence_proxy_async();  // cp.async writes are generic-proxy ones
+      if constexpr (!kCopyGroup) arch::fence_proxy_async();  // cp.async writes are generic-proxy ones
       arch::wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 5; ++i)
@@ -334,7 +440,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
           Qk::mma(sc, arch::desc_advance(q_desc, off), arch::desc_advance(k_desc, off), i + k > 0);
         }
       arch::mbarrier_wait(&landed[2 * stage + 1], parity);
-      if constexpr (!kTma) arch::fence_proxy_async();
+      if constexpr (!kCopyGroup) arch::fence_proxy_async();
 #pragma unroll
       for (int i = 4; i < 8; ++i)
 #pragma unroll
@@ -464,8 +570,8 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
     };
     // A half of a stage is no longer read by this warpgroup: the TMA variant frees it for the copy
     // thread, the cp.async variant refills it here.
-    auto release = [&](int stage, bool refill, const TileRow& row_addr) {
-      if constexpr (kTma) {
+    auto release = [&](int stage, bool refill, const char* row_addr) {
+      if constexpr (kCopyGroup) {
         arch::mbarrier_arrive(&freed[2 * stage + group]);
       } else {
         if (refill) copy_half(stage, row_addr);
@@ -477,7 +583,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
       const bool has_tile1 = 2 * pair + 1 < tiles;
       const uint32_t parity = pair & 1;
       // The next pair's row addresses are looked up a while before their copies are issued.
-      TileRow next = !kTma && 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : TileRow{};
+      const char* next = !kCopyGroup && 2 * pair + 2 < tiles ? row_address(j + 2 * kTokens) : nullptr;
       float alpha[2];
       if (group == 0) {
         scores(0, parity);
@@ -492,13 +598,13 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
         accumulate_own(0);
         finish_accumulate();
         release(0, 2 * pair + 2 < tiles, next);  // the next tile 0's half, as this one is read
-        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : TileRow{};
+        if constexpr (!kCopyGroup) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         arch::named_barrier_sync(kProbs1Ready, kThreads);
         adopt_max(1, alpha);
         rescale(alpha);
         if (has_tile1) {
           arch::mbarrier_wait(&landed[2], parity);  // this warpgroup's half of tile 1
-          if constexpr (!kTma) arch::fence_proxy_async();
+          if constexpr (!kCopyGroup) arch::fence_proxy_async();
           zero_tail(1, j + kTokens);
           accumulate_shared(1, p1_s);
           finish_accumulate();
@@ -513,7 +619,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
         adopt_max(0, alpha);
         rescale(alpha);
         arch::mbarrier_wait(&landed[1], parity);
-        if constexpr (!kTma) arch::fence_proxy_async();
+        if constexpr (!kCopyGroup) arch::fence_proxy_async();
         zero_tail(0, j);
         accumulate_shared(0, p0_s);
         if (has_tile1) {  // under the product above
@@ -525,7 +631,7 @@ __global__ void __launch_bounds__(kTma ? kTmaThreads : kThreads, 1)
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs1Ready, kThreads);
         release(0, 2 * pair + 2 < tiles, next);
-        if constexpr (!kTma) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : TileRow{};
+        if constexpr (!kCopyGroup) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         if (has_tile1) {
           rescale(alpha);
           zero_tail(1, j + kTokens);
@@ -600,7 +706,7 @@ Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map
   const auto kernel = attention_wgmma_kernel<T, Rows, kTma, kFormat>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)) != cudaSuccess)
     return Status::kCudaError;
-  kernel<<<dim3(grid_x, p.num_splits), kTma ? kTmaThreads : kThreads, kBytes, stream>>>(p, rows, map);
+  kernel<<<dim3(grid_x, p.num_splits), has_copy_group(kTma, kFormat) ? kTmaThreads : kThreads, kBytes, stream>>>(p, rows, map);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 

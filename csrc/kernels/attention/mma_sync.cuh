@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
               scale = v == 0 ? row_scales[k].x : row_scales[k].y;
             }
             float values[8];
-            dequant::values8<kFormat>(raw[k][v], col_of[v] >= kLatentDim, scale, zero, values);
+            dequant::values8<A, kFormat>(raw[k][v], col_of[v] >= kLatentDim, scale, zero, values);
             arch::store<T, 8>(dst, dequant::to_vec<T>(values));
           } else {
             *reinterpret_cast<int4*>(dst) = staged[k][v];

@@ -22,7 +22,7 @@ constexpr int kDequantWarpsPerBlock = 8;
 // Lane l's share of one row: the 8 latent values at (i * 32 + l) * 8 (i = 0, 1) and, lanes < 8, the
 // 8 rope values at l * 8, each vector 8 bytes (fp8, int8), 4 (int4) or 16 (fp8_ds_mla's bf16 rope) in
 // and 16 out.
-template <KvFormat F, class T, class Rows>
+template <class A, KvFormat F, class T, class Rows>
 __device__ __forceinline__ void gather_row(const Rows& rows, const char* base, int pos, const char* row, int lane, T* out) {
   const RowLayout& layout = rows.cache.row;
   float scale = layout.kv_scale, zero = 0.f;
@@ -36,12 +36,12 @@ __device__ __forceinline__ void gather_row(const Rows& rows, const char* base, i
   for (int i = 0; i < 2; ++i) {
     const int e = layout.latent_offset + (i * 32 + lane) * 8;
     if constexpr (F == KvFormat::kFp8DsMla) scale = dequant::ds_tile_scale(row, e);
-    dequant::values8<F>(dequant::load8<F>(row, e), false, scale, zero, v);
+    dequant::values8<A, F>(dequant::load8<F>(row, e), false, scale, zero, v);
     arch::store<T, 8>(out + (i * 32 + lane) * 8, dequant::to_vec<T>(v));
   }
   if (lane < 8) {
     const int e = layout.rope_offset + lane * 8;
-    dequant::values8<F>(dequant::load8<F>(row, e), true, scale, zero, v);  // (fp8_ds_mla's rope: none)
+    dequant::values8<A, F>(dequant::load8<F>(row, e), true, scale, zero, v);  // (fp8_ds_mla's rope: none)
     arch::store<T, 8>(out + kLatentDim + lane * 8, dequant::to_vec<T>(v));
   }
 }
@@ -62,10 +62,10 @@ __global__ void __launch_bounds__(kDequantWarpsPerBlock * 32)
     const char* row = rows.row_in_block(base, int(pos));
     T* out = static_cast<T*>(p.out) + t * p.out_stride;
     switch (layout.format) {
-      case KvFormat::kFp8: gather_row<KvFormat::kFp8, T>(rows, base, int(pos), row, lane, out); break;
-      case KvFormat::kFp8DsMla: gather_row<KvFormat::kFp8DsMla, T>(rows, base, int(pos), row, lane, out); break;
-      case KvFormat::kInt8: gather_row<KvFormat::kInt8, T>(rows, base, int(pos), row, lane, out); break;
-      case KvFormat::kInt4: gather_row<KvFormat::kInt4, T>(rows, base, int(pos), row, lane, out); break;
+      case KvFormat::kFp8: gather_row<A, KvFormat::kFp8, T>(rows, base, int(pos), row, lane, out); break;
+      case KvFormat::kFp8DsMla: gather_row<A, KvFormat::kFp8DsMla, T>(rows, base, int(pos), row, lane, out); break;
+      case KvFormat::kInt8: gather_row<A, KvFormat::kInt8, T>(rows, base, int(pos), row, lane, out); break;
+      case KvFormat::kInt4: gather_row<A, KvFormat::kInt4, T>(rows, base, int(pos), row, lane, out); break;
       default: break;  // kNone takes the copy kernel
     }
   } else {
