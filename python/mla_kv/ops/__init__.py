@@ -19,6 +19,7 @@ torch.compile and CUDA graphs (see its docstring for the schemas).
 from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
 from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
+from .expanded import prefill_expanded, prefill_expanded_workspace_size
 from .gather import gather_kv
 from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blocks
 
@@ -26,6 +27,7 @@ from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 
 __all__ = [
     "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "fused_write_kv",
-    "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "write_kv",
+    "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "prefill_expanded",
+    "prefill_expanded_workspace_size", "write_kv",
     "write_kv_blocks",
 ]

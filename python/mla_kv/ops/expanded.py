@@ -1,0 +1,338 @@
+"""prefill_expanded: the expanded-route prefill, built from gather_kv, two GEMMs, an attention kernel and
+merge_states (no kernel of its own).
+
+The q tokens of sequence b are its last q_len_b of kv_len_b positions. Its keys split into the cached
+prefix [0, kv_len - q_len) and the new part [kv_len - q_len, kv_len). The new part is gathered (quantized
+formats dequantized by gather_kv), up-projected to K = [c_kv W_UK^T | k_pe] and V = c_kv W_UV^T per head
+(one GEMM each over all heads) and attended causally: there q_len == k_len, so the top-left and
+bottom-right alignments of the mask coincide. The prefix is gathered and up-projected kv_chunk rows per
+sequence at a time, attended without a mask (every prefix key precedes every query) and merged into the
+running (out, lse) by merge_states. Sizes, chunk counts and the kernel's max_seqlen come from the host
+ints max_q_len / max_kv_len / max_prefix_len, so nothing reads device data on the host.
+
+On CUDA the attention is torch's memory-efficient (cutlass fMHA) kernel,
+torch.ops.aten._efficient_attention_forward: sm50+, q/k head dim may differ from v's (multiples of 8),
+varlen through cu_seqlens. On the CPU a small float math attention takes its place and gather_kv runs
+its reference, so the CPU run checks the same split, chunking and merging against the float64 spec
+(mla_kv.reference.prefill_expanded).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._checks import integer, real
+from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
+from ._common import _DTYPES, _check_lens, _result_tensor, _size, _tensor, _validate_table
+from .attention import _check_attention_inputs, _lse_dtype, merge_states
+from .gather import gather_kv
+
+# The memory-efficient kernel's mask types (custom_mask_type): none, and causal aligned top-left (query i
+# sees keys <= i of its sequence). Bottom-right (2) is not needed: only the new part is masked, and there
+# q_len == k_len.
+_NO_MASK, _CAUSAL_TOP_LEFT = 0, 1
+_ALIGN = 256  # bytes: every workspace part starts at a multiple (16-byte vectors, cuBLAS likes 256)
+
+
+# --------------------------------------------------------------------------------- workspace
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The running (out, lse) are merged in float32 (float64 for float64 inputs), not in the 16-bit dtype:
+    rounding each merge to fp16/bf16 would add an error per chunk."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _prefix_bound(max_kv_len: int, max_prefix_len) -> int:
+    """The host bound on a prefix: max_prefix_len, or max_kv_len - 1 (a sequence with a query has at most
+    that many cached positions before it)."""
+    return max_kv_len - 1 if max_prefix_len is None else integer("max_prefix_len", max_prefix_len, 0)
+
+
+def _chunk_rows(prefix_bound: int, kv_chunk: int) -> int:
+    """Prefix rows a sequence contributes to one chunk."""
+    return min(kv_chunk, prefix_bound)
+
+
+def _num_chunks(prefix_bound: int, kv_chunk: int) -> int:
+    return -(-prefix_bound // kv_chunk)
+
+
+def _workspace_parts(tokens, batch, heads, d_nope, d_v, prefix_bound, kv_chunk, dtype):
+    """(name, shape, dtype) of each workspace part. The gathered rows and their up-projections serve the
+    new part (at most `tokens` rows) and then each prefix chunk (at most batch x chunk rows) in turn.
+    "k_nope_or_v" first receives the nope half of K (copied into k beside k_pe), then V."""
+    rows = max(tokens, batch * _chunk_rows(prefix_bound, kv_chunk))
+    state = _state_dtype(dtype)
+    return (("rows", (rows, ROW_DIM), dtype), ("k", (rows, heads, d_nope + ROPE_DIM), dtype),
+            ("k_nope_or_v", (rows * heads * max(d_nope, d_v),), dtype),
+            ("out_0", (tokens, heads, d_v), state), ("out_1", (tokens, heads, d_v), state),
+            ("part_out", (tokens, heads, d_v), state), ("lse_0", (tokens, heads), state),
+            ("lse_1", (tokens, heads), state), ("part_lse", (tokens, heads), state))
+
+
+def _part_bytes(shape, dtype) -> int:
+    return -(-math.prod(shape) * torch.empty((), dtype=dtype).element_size() // _ALIGN) * _ALIGN
+
+
+def prefill_expanded_workspace_size(total_q_tokens: int, batch: int, num_heads: int, d_nope: int, d_v: int, *,
+                                    max_kv_len: int, kv_chunk: int = 8192, max_prefix_len: Optional[int] = None,
+                                    dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of ``workspace`` prefill_expanded needs: q's T, the batch, heads, head dims and dtype, and the
+    same max_kv_len / kv_chunk / max_prefix_len as the call. Dominated by the up-projected keys and values
+    of max(T, batch x min(kv_chunk, max_prefix_len)) rows: (d_nope + 64 + max(d_nope, d_v)) x heads values
+    each, plus 576 for the gathered row."""
+    sizes = [integer(name, v, minimum) for name, v, minimum in (
+        ("total_q_tokens", total_q_tokens, 0), ("batch", batch, 1), ("num_heads", num_heads, 1),
+        ("d_nope", d_nope, 1), ("d_v", d_v, 1))]
+    bound = _prefix_bound(integer("max_kv_len", max_kv_len, 1), max_prefix_len)
+    if dtype not in (*_DTYPES, torch.float64):
+        raise TypeError(f"dtype: must be one of {', '.join(map(str, (*_DTYPES, torch.float64)))}, got {dtype}")
+    return sum(_part_bytes(shape, dt) for _, shape, dt in
+               _workspace_parts(*sizes, bound, integer("kv_chunk", kv_chunk, 1), dtype))
+
+
+def _carve(workspace: torch.Tensor, parts) -> dict:
+    views, offset = {}, 0
+    for name, shape, dtype in parts:
+        size = _part_bytes(shape, dtype)
+        views[name] = workspace[offset:offset + size].view(dtype)[:math.prod(shape)].view(shape)
+        offset += size
+    return views
+
+
+def _workspace(workspace, parts, device) -> dict:
+    need = sum(_part_bytes(shape, dtype) for _, shape, dtype in parts)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.uint8, device=device)
+    _tensor("workspace", workspace, dims=1, dtype=torch.uint8, contiguous=True)
+    if workspace.numel() < need or workspace.device != device:
+        raise ValueError(f"workspace: needs {need} bytes on {device} (prefill_expanded_workspace_size), got "
+                         f"{workspace.numel()} on {workspace.device}")
+    if workspace.data_ptr() % 16:
+        raise ValueError("workspace: must be 16-byte aligned")
+    return _carve(workspace, parts)
+
+
+# --------------------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class _Tokens:
+    """Where each of q's T rows sits, computed on the device: its sequence (clamped to B - 1 for rows past
+    cu_q_lens[B]), its index within the sequence (0 for those rows), and whether it is a query (live)."""
+
+    seq: torch.Tensor
+    pos: torch.Tensor
+    live: torch.Tensor
+
+
+def _tokens(cu_q_lens: torch.Tensor, tokens: int, max_q_len: int) -> _Tokens:
+    batch = cu_q_lens.shape[0] - 1
+    index = torch.arange(tokens, dtype=torch.int32, device=cu_q_lens.device)
+    seq = torch.searchsorted(cu_q_lens[1:], index, right=True)
+    live = seq < batch
+    seq = seq.clamp(max=batch - 1)
+    # Clamped to the lse rows the kernel has: a q_len above max_q_len (not checked without validate)
+    # then gives a wrong row, never an out-of-bounds read.
+    pos = torch.where(live, index - cu_q_lens[seq], 0).clamp(max=max_q_len - 1).long()
+    return _Tokens(seq, pos, live)
+
+
+def _efficient_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
+    """torch's memory-efficient kernel over packed sequences -> (out [T, H, d_v] in q's dtype, lse [T, H]
+    float32). Rows of sequences without keys, and rows past cu_q[B], are unspecified (the caller masks them).
+
+    Assumptions about torch.ops.aten._efficient_attention_forward (torch 2.13: its schema and
+    torch/_meta_registrations.py meta__efficient_attention_forward; the CUDA kernel is
+    aten/src/ATen/native/transformers/cuda/attention.cu with the cutlass kernel_forward.h), to be
+    confirmed by the GPU tests:
+    - varlen takes batch 1: q [1, T, H, D], k [1, N, H, D], v [1, N, H, Dv]; cu_seqlens_q / cu_seqlens_k
+      int32 [B + 1] on the device; max_seqlen_q / max_seqlen_k host ints (bounds, no sync); the output is
+      [1, T, H, Dv], row t for q's row t.
+    - with compute_log_sumexp=True the lse is float32 [B, H, ceil(max_seqlen_q / 32) * 32] (the meta
+      function's shape; B = len(cu_seqlens_q) - 1), and entry [b, h, i] belongs to the i-th query of
+      sequence b, i counted from cu_seqlens_q[b] (the kernel offsets its lse pointer by
+      (b * H + h) * lse_dim + the query block's start within the sequence). Hence lse[T, H] =
+      lse_padded[seq(t), :, t - cu_q[seq(t)]], which _Tokens supplies. Natural log, like mla_kv's lse.
+    - custom_mask_type 0 = no mask, 1 = causal from the top left; scale= multiplies q.k.
+    If the GPU tests fail on lse (or on out with a cached prefix, whose merge weights come from lse),
+    this mapping is the first suspect.
+    """
+    out, lse_padded = torch.ops.aten._efficient_attention_forward(
+        q[None], k[None], v[None], None, cu_q, cu_k, max_q, max_k, 0.0,
+        _CAUSAL_TOP_LEFT if causal else _NO_MASK, True, scale=scale)[:2]
+    return out[0], lse_padded[tokens.seq, :, tokens.pos]
+
+
+def _math_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
+    """The CPU stand-in for _efficient_attention, same arguments and results: one sequence at a time, in
+    float32 (float64 for float64 q), out rounded to q's dtype as the kernel's is."""
+    del max_q, max_k, tokens  # the loop reads the lengths themselves
+    acc = _lse_dtype(q)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if q1 == q0 or k1 == k0:
+            continue
+        scores = torch.einsum("nhd,lhd->hnl", q[q0:q1].to(acc), k[k0:k1].to(acc)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).triu(1), float("-inf"))
+        lse_b = torch.logsumexp(scores, -1)
+        out[q0:q1] = torch.einsum("hnl,lhv->nhv", torch.exp(scores - lse_b[..., None]), v[k0:k1].to(acc))
+        lse[q0:q1] = lse_b.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+# ------------------------------------------------------------------------------------ steps
+def _up_project(rows, w_uk_t, w_uv_t, k, k_nope_or_v, d_nope, d_v):
+    """Gathered rows [n, 576] -> K [n, H, d_nope + 64] (into k) and V [n, H, d_v] (a view of k_nope_or_v):
+    one GEMM over all heads each, c_kv [n, 512] @ W [512, H x d]."""
+    n, heads = rows.shape[0], k.shape[1]
+    c_kv = rows[:, :LATENT_DIM]
+    k_nope = k_nope_or_v[:n * heads * d_nope].view(n, heads * d_nope)
+    torch.matmul(c_kv, w_uk_t, out=k_nope)
+    k[:, :, :d_nope].copy_(k_nope.view(n, heads, d_nope))
+    k[:, :, d_nope:].copy_(rows[:, None, LATENT_DIM:].expand(n, heads, ROPE_DIM))
+    v = k_nope_or_v[:n * heads * d_v].view(n, heads * d_v)
+    torch.matmul(c_kv, w_uv_t, out=v)  # after the copy above has read k_nope (stream order)
+    return v.view(n, heads, d_v)
+
+
+def _store_part(part_out, part_lse, sees, out, lse) -> None:
+    """A part's attention into the state buffers: rows that see none of the part's keys (no keys for their
+    sequence, or past cu_q_lens[B]) become out 0, lse -inf, whatever the kernel left there."""
+    out.copy_(part_out).masked_fill_(~sees[:, None, None], 0)
+    lse.copy_(part_lse).masked_fill_(~sees[:, None], float("-inf"))
+
+
+def _validate_lengths(cu_q_lens, kv_lens, tokens, bounds, have, block_size, blocks) -> None:
+    """Host checks of device data (validate=True, and always on the CPU): cu_q_lens, the host bounds
+    (max_q_len, max_kv_len, prefix bound), q_len <= kv_len and table coverage."""
+    cu = cu_q_lens.cpu().long()
+    if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) > tokens:
+        raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at most at q's {tokens} tokens")
+    q_lens, lens = cu.diff(), kv_lens.cpu().long()
+    prefixes = torch.where(q_lens > 0, lens - q_lens, 0)
+    for name, got, bound in zip(("max_q_len", "max_kv_len", "max_prefix_len"), (q_lens, lens, prefixes), bounds):
+        over = (got > bound).nonzero()
+        if over.numel():
+            b = int(over[0])
+            raise ValueError(f"{name}: sequence {b} needs {int(got[b])}, more than {name} = {bound}")
+    _validate_table("cache.cu_block_nums" if blocks else "block_table", "kv_lens", kv_lens, q_lens, have,
+                    block_size)
+
+
+# --------------------------------------------------------------------------------------- op
+def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
+                     kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, softmax_scale: float, *,
+                     causal: bool = True, max_q_len: int, max_kv_len: int, max_prefix_len: Optional[int] = None,
+                     kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+                     out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                     workspace: Optional[torch.Tensor] = None, validate: bool = False):
+    """Expanded-route prefill / extend attention over the latent cache -> (out [T, H, d_v], lse [T, H]).
+
+    q [T, H, d_nope + 64] = [q_nope | q_pe] per head (fp16 or bf16 on CUDA), packed by cu_q_lens int32
+    [B + 1]; kv_lens int32 [B] include the new tokens, already in the cache; cache arguments (a paged
+    kv_cache with block_table, quantized with kv_format / kv_scale, or a BlockPointerCache) as in prefill;
+    w_uk [H, d_nope, 512], w_uv [H, d_v, 512] in q's dtype (weights.split_kv_b_proj; d_nope and d_v
+    multiples of 8 on CUDA). max_q_len / max_kv_len: host bounds on every q_len / kv_len (the chunk
+    count and the kernel's max_seqlen come from them; a length above its bound gives an unspecified
+    result, checked with ``validate=True``). max_prefix_len: a host bound on kv_len - q_len over the
+    sequences with queries (default max_kv_len - 1; 0 for whole prompts skips the prefix chunks).
+    kv_chunk: prefix rows per sequence up-projected at a time.
+    Returns out in q's dtype and lse float32 (float64 for float64 q); rows past cu_q_lens[B] and queries
+    that see no key get out 0, lse -inf (as the reference). ``workspace``: uint8, at least
+    prefill_expanded_workspace_size(...) bytes; without it one is allocated per call. With out, lse and
+    workspace given the op reads nothing back to the host; the attention kernel's outputs and small
+    index vectors still come from torch's caching allocator (in a CUDA graph capture: its private pool).
+    CPU tensors run the same chunked algorithm with a math attention and always validate.
+    Reference: mla_kv.reference.prefill_expanded (over the dequantized rows for a quantized cache).
+    """
+    _tensor("q", q)
+    on_cuda = q.device.type == "cuda"
+    dtypes = (torch.float16, torch.bfloat16) if on_cuda else (*_DTYPES, torch.float64)
+    _tensor("q", q, dims=3, dtypes=dtypes, last_contiguous=True)
+    tokens, heads, d_qk = q.shape
+    for name, w in (("w_uk", w_uk), ("w_uv", w_uv)):
+        _tensor(name, w, dims=3, dtype=q.dtype)
+        _size(name, w, 0, heads)
+        _size(name, w, 2, LATENT_DIM)
+    d_nope, d_v = w_uk.shape[1], w_uv.shape[1]
+    if d_qk != d_nope + ROPE_DIM:
+        raise ValueError(f"q: the last dim must be d_nope + {ROPE_DIM} = {d_nope + ROPE_DIM} (w_uk's d_nope "
+                         f"{d_nope}), got {d_qk}")
+    if on_cuda:
+        for name, d in (("w_uk", d_nope), ("w_uv", d_v)):
+            if d % 8:
+                raise ValueError(f"{name}: its head dim (dim 1) must be a multiple of 8 on CUDA (the attention "
+                                 f"kernel reads 16-byte vectors), got {d}")
+    softmax_scale = real("softmax_scale", softmax_scale, above=0)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    max_q_len, max_kv_len, kv_chunk = (integer(name, v, 1) for name, v in (
+        ("max_q_len", max_q_len), ("max_kv_len", max_kv_len), ("kv_chunk", kv_chunk)))
+    prefix_bound = _prefix_bound(max_kv_len, max_prefix_len)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
+    batch = cu_q_lens.shape[0] - 1
+    _check_lens("kv_lens", kv_lens, batch)
+    blocks = isinstance(kv_cache, BlockPointerCache)
+    device, source = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
+        q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, w_uk=w_uk, w_uv=w_uv, kv_cache=None if blocks else kv_cache,
+        block_table=None if blocks else block_table), kv_format, kv_scale)
+    if blocks and not on_cuda:
+        raise ValueError("cache: block-pointer ops run on CUDA tensors only")
+    out = _result_tensor("out", out, (tokens, heads, d_v), q.dtype, device)
+    lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
+    if validate or not on_cuda:
+        have = (kv_cache.cu_block_nums.diff() if blocks else torch.full((batch,), block_table.shape[1]))
+        _validate_lengths(cu_q_lens, kv_lens, tokens, (max_q_len, max_kv_len, prefix_bound), have,
+                          source.block_size, blocks)
+    ws = _workspace(workspace, _workspace_parts(tokens, batch, heads, d_nope, d_v, prefix_bound, kv_chunk, q.dtype),
+                    device)
+    if tokens == 0:
+        return out, lse
+
+    attend = _efficient_attention if on_cuda else _math_attention
+    w_uk_t, w_uv_t = w_uk.reshape(heads * d_nope, LATENT_DIM).t(), w_uv.reshape(heads * d_v, LATENT_DIM).t()
+    gather_format = {} if blocks else dict(kv_format=source.kv_format, kv_scale=source.kv_scale,
+                                           dtype=None if source.kv_format is None else q.dtype)
+    at = _tokens(cu_q_lens, tokens, max_q_len)
+    q_lens = cu_q_lens.diff()
+
+    def keys(cu_k_lens, starts, rows):
+        """Gathers positions starts[b] .. of each sequence (cu_k_lens row counts) into the first `rows`
+        rows and up-projects them -> (K, V)."""
+        gathered = gather_kv(kv_cache, block_table, cu_k_lens, starts=starts, out=ws["rows"][:rows], **gather_format)
+        k = ws["k"][:rows]
+        return k, _up_project(gathered, w_uk_t, w_uv_t, k, ws["k_nope_or_v"], d_nope, d_v)
+
+    # New part: q_len rows from position kv_len - q_len; every query sees at least its own key.
+    k, v = keys(cu_q_lens, kv_lens - q_lens, tokens)
+    _store_part(*attend(q, k, v, cu_q_lens, cu_q_lens, max_q_len, max_q_len, causal, softmax_scale, at), at.live,
+                ws["out_0"], ws["lse_0"])
+
+    # Cached prefix, in chunks of kv_chunk positions per sequence; a sequence without queries needs none.
+    prefix_lens = torch.where(q_lens > 0, kv_lens - q_lens, 0).clamp(min=0)
+    chunk_rows, state = _chunk_rows(prefix_bound, kv_chunk), 0
+    cu_k_lens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    for j in range(_num_chunks(prefix_bound, kv_chunk)):
+        # Clamped to chunk_rows (= kv_chunk unless the bound is smaller), so that a prefix above its bound
+        # (unchecked without validate) never makes the kernel read past the rows gathered.
+        chunk_lens = (prefix_lens - j * kv_chunk).clamp(0, chunk_rows)
+        torch.cumsum(chunk_lens, 0, dtype=torch.int32, out=cu_k_lens[1:])
+        # An empty chunk starts at the prefix end, so its 0 rows stay inside the table's coverage.
+        k, v = keys(cu_k_lens, prefix_lens.clamp(max=j * kv_chunk).int(), batch * chunk_rows)
+        part = attend(q, k, v, cu_q_lens, cu_k_lens, max_q_len, chunk_rows, False, softmax_scale, at)
+        _store_part(*part, at.live & (chunk_lens[at.seq] > 0), ws["part_out"], ws["part_lse"])
+        merge_states(ws[f"out_{state}"], ws[f"lse_{state}"], ws["part_out"], ws["part_lse"],
+                     out=ws[f"out_{1 - state}"], lse=ws[f"lse_{1 - state}"])
+        state = 1 - state
+    out.copy_(ws[f"out_{state}"])
+    lse.copy_(ws[f"lse_{state}"])
+    return out, lse
