@@ -32,7 +32,11 @@ template <class T>
 __device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
   arch::Vec<T, 8> r;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (!std::is_same_v<T, float>) {  // one cvt per pair (the same roundings)
+  constexpr bool kPairs = !std::is_same_v<T, float>;  // one cvt per pair (the same roundings)
+#else
+  constexpr bool kPairs = false;
+#endif
+  if constexpr (kPairs) {
 #pragma unroll
     for (int k = 0; k < 8; k += 2) {
       if constexpr (std::is_same_v<T, __half>) {
@@ -41,16 +45,19 @@ __device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
         *reinterpret_cast<__nv_bfloat162*>(&r.v[k]) = __floats2bfloat162_rn(v[k], v[k + 1]);
       }
     }
-    return r;
-  }
-#endif
+  } else {
 #pragma unroll
-  for (int k = 0; k < 8; ++k) r.v[k] = arch::from_float<T>(v[k]);
+    for (int k = 0; k < 8; ++k) r.v[k] = arch::from_float<T>(v[k]);
+  }
   return r;
 }
 
-// 8 e4m3 bytes (lo: values 0..3) times scale. The Sm90 tag converts pairs to (exact) halves in
-// hardware; the integer path (arch/fp8.cuh) gives the same values.
+// 8 e4m3 bytes (lo: values 0..3) times scale, by integer arithmetic (arch/fp8.cuh).
+__device__ __forceinline__ void fp8_values_soft(uint2 bytes, float scale, float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
+}
+// The same values; the Sm90 tag converts pairs to (exact) halves in hardware.
 template <class A>
 __device__ __forceinline__ void fp8_values(uint2 bytes, float scale, float (&v)[8]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -64,11 +71,12 @@ __device__ __forceinline__ void fp8_values(uint2 bytes, float scale, float (&v)[
       v[2 * k] = __fmul_rn(f.x, scale);
       v[2 * k + 1] = __fmul_rn(f.y, scale);
     }
-    return;
+  } else {
+    fp8_values_soft(bytes, scale, v);
   }
+#else
+  fp8_values_soft(bytes, scale, v);
 #endif
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
 }
 
 // An int code (< 2^23) as a float without a conversion instruction: its bits under 2^23's exponent.
