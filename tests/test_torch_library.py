@@ -33,7 +33,7 @@ WRITES = {
     "write_kv": {"kv_cache"}, "fused_write_kv": {"kv_cache", "q"},
     "write_kv_blocks": {"block_ptrs"}, "fused_write_kv_blocks": {"block_ptrs", "q"},
     "decode": {"workspace"}, "decode_blocks": {"workspace"}, "prefill": {"workspace"},
-    "prefill_blocks": {"workspace"}, "merge_states": set(), "gather_kv": {"out"}, "gather_kv_blocks": {"out"},
+    "prefill_blocks": {"workspace"}, "prefill_expanded": {"workspace"}, "merge_states": set(), "gather_kv": {"out"}, "gather_kv_blocks": {"out"},
 }
 HAVE_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 BACKENDS = ["eager", "aot_eager",
@@ -112,7 +112,8 @@ def test_written_optional_tensors_have_no_default():
 def test_ops_take_the_functions_leading_arguments():
     """The paged ops' positional arguments start with the Python function's positional ones."""
     functions = {"write_kv": mla_kv.write_kv, "fused_write_kv": mla_kv.fused_write_kv, "decode": mla_kv.decode,
-                 "prefill": mla_kv.prefill, "merge_states": mla_kv.merge_states, "gather_kv": mla_kv.gather_kv}
+                 "prefill": mla_kv.prefill, "prefill_expanded": mla_kv.prefill_expanded,
+                 "merge_states": mla_kv.merge_states, "gather_kv": mla_kv.gather_kv}
     for name, fn in functions.items():
         leading = [p.name for p in inspect.signature(fn).parameters.values()
                    if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -195,6 +196,27 @@ def test_opcheck_prefill(causal):
     assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
 
 
+def expanded_inputs(dtype, d_nope=16, d_v=24, heads=3):
+    """attention_inputs' cache and table with 5 packed tokens of q [T, H, d_nope + 64] and the kv_b_proj halves."""
+    _, cache, table, kv_lens = attention_inputs(dtype)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(5, heads, d_nope + 64, generator=gen).to(dtype)
+    w_uk = (torch.randn(heads, d_nope, 512, generator=gen) / 8).to(dtype)
+    w_uv = (torch.randn(heads, d_v, 512, generator=gen) / 8).to(dtype)
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    return q, cache, table, cu, kv_lens.clamp(min=3), w_uk, w_uv
+
+
+@pytest.mark.parametrize("kv_chunk", [4, 8192])
+def test_opcheck_prefill_expanded(kv_chunk):
+    q, cache, table, cu, kv_lens, w_uk, w_uv = expanded_inputs(torch.float32)
+    kwargs = dict(max_q_len=3, max_kv_len=33, kv_chunk=kv_chunk)
+    opcheck(OPS.prefill_expanded.default, (q, cache, table, cu, kv_lens, w_uk, w_uv, SCALE, None), kwargs)
+    out, lse = OPS.prefill_expanded(q, cache, table, cu, kv_lens, w_uk, w_uv, SCALE, None, **kwargs)
+    ref_out, ref_lse = mla_kv.prefill_expanded(q, cache, table, cu, kv_lens, w_uk, w_uv, SCALE, **kwargs)
+    assert out.shape == (5, 3, 24) and same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_opcheck_merge_states(dtype):
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -237,6 +259,11 @@ def test_fakes_give_the_output_shapes_and_dtypes():
         assert out.shape == (9, 16, 512) and lse.dtype == torch.float64
         out, lse = OPS.merge_states(out, lse, out, lse)
         assert out.shape == (9, 16, 512) and lse.shape == (9, 16)
+        q_exp = torch.empty(9, 16, 192, dtype=torch.bfloat16)
+        w_uk, w_uv = torch.empty(16, 128, 512, dtype=torch.bfloat16), torch.empty(16, 256, 512, dtype=torch.bfloat16)
+        out, lse = OPS.prefill_expanded(q_exp, cache, table, cu, lens, w_uk, w_uv, SCALE, None, max_q_len=4,
+                                        max_kv_len=64)
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((9, 16, 256), torch.bfloat16, (9, 16), torch.float32)
         assert OPS.gather_kv(cache, table, cu, torch.empty(5, 576, dtype=torch.bfloat16)) is None
 
 
@@ -533,6 +560,17 @@ def test_gpu_opcheck_paged_ops(dtype):
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])
     rows = torch.zeros(int(gather_cu[-1]) + 3, 576, dtype=dtype, device="cuda")
     opcheck(OPS.gather_kv.default, (cache, table, gather_cu, rows))
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_opcheck_prefill_expanded(dtype):
+    args = [t.cuda() for t in expanded_inputs(dtype)]
+    kwargs = dict(max_q_len=3, max_kv_len=33, kv_chunk=8)
+    opcheck(OPS.prefill_expanded.default, (*args[:7], SCALE, None), kwargs)
+    out, lse = OPS.prefill_expanded(*args[:7], SCALE, None, **kwargs)
+    ref_out, ref_lse = mla_kv.prefill_expanded(*args[:7], SCALE, **kwargs)
+    assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
 
 
 @GPU

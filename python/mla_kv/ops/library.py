@@ -46,6 +46,10 @@ Schemas (``(a!)``: written in place)::
                    SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor kv_lens, float softmax_scale,
                    Tensor(a!)? workspace, *, bool causal=True, <cache keywords>, <schedule keywords>,
                    bool validate=False, str? arch=None) -> (Tensor, Tensor)
+    prefill_expanded(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cu_q_lens, Tensor kv_lens,
+                     Tensor w_uk, Tensor w_uv, float softmax_scale, Tensor(a!)? workspace, *, SymInt max_q_len,
+                     SymInt max_kv_len, bool causal=True, SymInt? max_prefix_len=None, SymInt kv_chunk=8192,
+                     str? kv_format=None, float? kv_scale=None, bool validate=False) -> (Tensor out, Tensor lse)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
     gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
               str? kv_format=None, float? kv_scale=None, bool validate=False, str? arch=None) -> ()
@@ -72,8 +76,9 @@ Arguments that are not tensors or scalars are flattened:
 
 What differs from the functions, and why:
 
-* decode / prefill / merge_states return new out and lse tensors and take no ``out`` / ``lse``: a custom op
-  may not return one of its inputs. Under a CUDA graph the results live in the graph's memory pool.
+* decode / prefill / prefill_expanded / merge_states return new out and lse tensors and take no ``out`` /
+  ``lse``: a custom op may not return one of its inputs. Under a CUDA graph the results live in the graph's
+  memory pool. prefill_expanded has no block-pointer op (call the function with a BlockPointerCache).
 * gather_kv / gather_kv_blocks require ``out`` [N >= total_kv, 576] and return nothing (read ``out``):
   without it the row count would be cu_kv_lens[-1], device data that a fake implementation cannot
   read (and that the function reads with a host sync).
@@ -94,7 +99,7 @@ import torch
 
 from ..gpus import smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache
-from . import attention as _attention, gather as _gather, write as _write
+from . import attention as _attention, expanded as _expanded, gather as _gather, write as _write
 from ._common import _C, _tensor
 
 Tensor = torch.Tensor
@@ -257,6 +262,18 @@ def prefill_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_s
                    tile_loads=tile_loads, validate=validate, arch=arch)
 
 
+def prefill_expanded(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens: Tensor, kv_lens: Tensor,
+                     w_uk: Tensor, w_uv: Tensor, softmax_scale: float, workspace: Optional[Tensor], *,
+                     max_q_len: int, max_kv_len: int, causal: bool = True, max_prefix_len: Optional[int] = None,
+                     kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
+                     validate: bool = False) -> Tuple[Tensor, Tensor]:
+    """mla_kv.prefill_expanded over a paged cache -> (out, lse)."""
+    return _expanded.prefill_expanded(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv, softmax_scale,
+                                      causal=causal, max_q_len=max_q_len, max_kv_len=max_kv_len,
+                                      max_prefix_len=max_prefix_len, kv_chunk=kv_chunk, kv_format=kv_format,
+                                      kv_scale=kv_scale, workspace=workspace, validate=validate)
+
+
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
     """mla_kv.merge_states -> (out, lse)."""
     return _attention.merge_states(out_a, lse_a, out_b, lse_b)
@@ -298,6 +315,12 @@ def _attention_fake(dims: int):
     return fake
 
 
+def _prefill_expanded_fake(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv, *args, **kwargs):
+    """out [T, H, d_v] in q's dtype (d_v: w_uv's dim 1) and lse [T, H]."""
+    rows = q.shape[:-1]
+    return q.new_empty((*rows, w_uv.shape[1])), q.new_empty(rows, dtype=_attention._lse_dtype(q))
+
+
 def _merge_states_fake(out_a, lse_a, out_b, lse_b):
     return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=_attention._lse_dtype(out_a))
 
@@ -312,6 +335,7 @@ _OPS = (
     (decode_blocks, ("workspace",), _attention_fake(4)),
     (prefill, ("workspace",), _attention_fake(3)),
     (prefill_blocks, ("workspace",), _attention_fake(3)),
+    (prefill_expanded, ("workspace",), _prefill_expanded_fake),
     (merge_states, (), _merge_states_fake),
     (gather_kv, ("out",), _writes_only),
     (gather_kv_blocks, ("out",), _writes_only),
