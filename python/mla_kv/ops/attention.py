@@ -310,6 +310,18 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     return out, lse
 
 
+def _packed_batch(causal, cu_q_lens, kv_lens) -> int:
+    """The checks of a packed (prefill) call's causal flag and lengths -> the batch."""
+    if not isinstance(causal, bool):  # a truthy string or None would silently pick a mask
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
+    batch = cu_q_lens.shape[0] - 1
+    _check_lens("kv_lens", kv_lens, batch)
+    return batch
+
+
 def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
             kv_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
@@ -328,13 +340,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     _check_q(q, 3)
     tokens, heads, _ = q.shape
     softmax_scale = real("softmax_scale", softmax_scale, above=0)
-    if not isinstance(causal, bool):  # a truthy string or None would silently pick a mask
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
-    if cu_q_lens.shape[0] < 2:
-        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
-    batch = cu_q_lens.shape[0] - 1
-    _check_lens("kv_lens", kv_lens, batch)
+    batch = _packed_batch(causal, cu_q_lens, kv_lens)
     blocks = isinstance(kv_cache, BlockPointerCache)
     device, source = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
         q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, kv_cache=None if blocks else kv_cache,

@@ -26,8 +26,8 @@ import torch
 
 from .._checks import integer, real
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import _DTYPES, _check_lens, _result_tensor, _size, _tensor, _validate_table
-from .attention import _check_attention_inputs, _lse_dtype, merge_states
+from ._common import _DTYPES, _result_tensor, _size, _tensor, _validate_table
+from .attention import _check_attention_inputs, _lse_dtype, _packed_batch, merge_states
 from .gather import gather_kv
 
 # The memory-efficient kernel's mask types (custom_mask_type): none, and causal aligned top-left (query i
@@ -269,18 +269,12 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
                 raise ValueError(f"{name}: its head dim (dim 1) must be a multiple of 8 on CUDA (the attention "
                                  f"kernel reads 16-byte vectors), got {d}")
     softmax_scale = real("softmax_scale", softmax_scale, above=0)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     max_q_len, max_kv_len, kv_chunk = (integer(name, v, 1) for name, v in (
         ("max_q_len", max_q_len), ("max_kv_len", max_kv_len), ("kv_chunk", kv_chunk)))
     prefix_bound = _prefix_bound(max_kv_len, max_prefix_len)
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
-    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
-    if cu_q_lens.shape[0] < 2:
-        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
-    batch = cu_q_lens.shape[0] - 1
-    _check_lens("kv_lens", kv_lens, batch)
+    batch = _packed_batch(causal, cu_q_lens, kv_lens)
     blocks = isinstance(kv_cache, BlockPointerCache)
     device, source = _check_attention_inputs(q, kv_cache, block_table, batch, dict(
         q=q, cu_q_lens=cu_q_lens, kv_lens=kv_lens, w_uk=w_uk, w_uv=w_uv, kv_cache=None if blocks else kv_cache,
