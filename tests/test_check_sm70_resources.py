@@ -184,3 +184,11 @@ def test_table_shows_the_margins():
     assert lines[1].split()[:6] == ["sm_70", "2", "200", "768", "B", "0"]
     assert "51,200 / 65,536 (200 x 256, k)" in lines[1]
     assert "1 undeclared" in lines[2]
+
+
+def test_fails_an_attention_kernel_with_local_memory():
+    """The Sm70 / Sm75 quantized attention kernels once kept 208-384 bytes per thread in local memory
+    (an outlined lambda under clang): the gate names the kernel and its bytes."""
+    spilled = gate.KernelResources("attention_kernel", 230, 0, 384, 256)
+    (line,) = gate.local_memory_problems(70, [kernel(), spilled])
+    assert "attention_kernel" in line and "sm_70" in line and "384 B" in line

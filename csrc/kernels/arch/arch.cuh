@@ -11,6 +11,15 @@
 
 #include "mla_kv/arch.h"
 
+// For the lambdas of the kernels' main loops: clang may leave a large one outlined, and every value
+// it captures by reference then lives in local memory (208-384 bytes per thread in the Sm70 / Sm75
+// quantized attention kernels); nvcc inlines them.
+#if defined(__clang__)
+#define MLA_KV_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define MLA_KV_INLINE_LAMBDA
+#endif
+
 namespace mla_kv {
 namespace arch {
 

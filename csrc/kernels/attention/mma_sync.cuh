@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
         }
       }
     };
-    auto stash = [&]() {  // register path: staged tile -> smem
+    auto stash = [&]() MLA_KV_INLINE_LAMBDA {  // register path: staged tile -> smem
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k)
 #pragma unroll
