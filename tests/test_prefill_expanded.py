@@ -187,6 +187,7 @@ def _bad(case, **changes):
     (lambda c: dict(max_prefix_len=39), ValueError, "max_prefix_len: sequence 6"),
     (lambda c: dict(max_prefix_len=-1), ValueError, "max_prefix_len"),
     (lambda c: dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    (lambda c: dict(attention_kernel="cudnn"), ValueError, "attention_kernel"),
     (lambda c: dict(causal="yes"), TypeError, "causal"),
     (lambda c: dict(cu_q_lens=c.cu_q_lens.long()), TypeError, "cu_q_lens"),
     (lambda c: dict(kv_lens=c.kv_lens[:3]), ValueError, "kv_lens"),
@@ -249,10 +250,11 @@ def gpu_run(case, **kwargs):
 @pytest.mark.parametrize("dims", list(DIMS))
 @pytest.mark.parametrize("heads", [1, 3, 20])
 @pytest.mark.parametrize("batch", ["whole", "extend"])
-def test_gpu_matches_reference(dtype, dims, heads, batch):
+@pytest.mark.parametrize("kernel", ["flash", "mem_efficient"])
+def test_gpu_matches_reference(dtype, dims, heads, batch, kernel):
     case = make_case(WHOLE if batch == "whole" else EXTEND, heads, dims, dtype, device="cuda",
                      shared_blocks=int(batch == "extend"))
-    check(case, gpu_run(case, kv_chunk=16), f"{batch} kv_chunk=16")
+    check(case, gpu_run(case, kv_chunk=16, attention_kernel=kernel), f"{batch} kv_chunk=16 {kernel}")
 
 
 @GPU
@@ -313,3 +315,6 @@ def test_gpu_rejects_what_the_kernel_cannot_take():
         odd.run()
     with pytest.raises(ValueError, match="max_kv_len: sequence 0"):
         case.run(max_kv_len=50, validate=True)
+    wide = make_case(EXTEND, 3, (256, 264), torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="attention_kernel: flash needs"):
+        wide.run(attention_kernel="flash")

@@ -10,9 +10,11 @@ sequence at a time, attended without a mask (every prefix key precedes every que
 running (out, lse) by merge_states. Sizes, chunk counts and the kernel's max_seqlen come from the host
 ints max_q_len / max_kv_len / max_prefix_len, so nothing reads device data on the host.
 
-On CUDA the attention is torch's memory-efficient (cutlass fMHA) kernel,
-torch.ops.aten._efficient_attention_forward: sm50+, q/k head dim may differ from v's (multiples of 8),
-varlen through cu_seqlens. On the CPU a small float math attention takes its place and gather_kv runs
+On CUDA the attention is torch's flash kernel (torch.ops.aten._flash_attention_forward: sm80+, head
+dims <= 256, the smaller of q/k's and v's zero-padded to the larger) where it runs, else torch's
+memory-efficient (cutlass fMHA) kernel, torch.ops.aten._efficient_attention_forward: sm50+, q/k head dim
+may differ from v's (multiples of 8); both varlen through cumulative lengths. On the H200 flash is
+~3x faster (bench/RESULTS.md); the memory-efficient kernel is what V100 and T4 have. On the CPU a small float math attention takes its place and gather_kv runs
 its reference, so the CPU run checks the same split, chunking and merging against the float64 spec
 (mla_kv.reference.prefill_expanded).
 """
@@ -164,6 +166,35 @@ def _efficient_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, token
     return out[0], lse_padded[tokens.seq, :, tokens.pos]
 
 
+def _flash_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
+    """torch's flash kernel over packed sequences, same arguments and results as _efficient_attention.
+    Varlen takes [T, H, D] with one head dim for q, k and v (the output has q's), so the narrower side
+    is zero-padded: zero columns change no score and give zero output columns, sliced off. Its lse is
+    [H, T] (torch/_meta_registrations.py). causal: the new part, q_len == k_len."""
+    del tokens
+    d_v, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    out, lse = torch.ops.aten._flash_attention_forward(pad(q), pad(k), pad(v), cu_q, cu_k, max_q, max_k, 0.0,
+                                                       causal, False, scale=scale)[:2]
+    return out[..., :d_v], lse.t()
+
+
+_FLASH_MAX_DIM = 256
+
+
+def _attention_kernel(name, device, width):
+    """attention_kernel -> the attention function: "auto" takes flash on sm80+ for head dims <= 256."""
+    if name not in ("auto", "flash", "mem_efficient"):
+        raise ValueError(f"attention_kernel: one of 'auto', 'flash', 'mem_efficient', got {name!r}")
+    if device.type != "cuda":
+        return _math_attention
+    flash_ok = torch.cuda.get_device_capability(device) >= (8, 0) and width <= _FLASH_MAX_DIM
+    if name == "flash" and not flash_ok:
+        raise ValueError(f"attention_kernel: flash needs sm80+ and head dims <= {_FLASH_MAX_DIM} "
+                         f"(got {width} on sm{''.join(map(str, torch.cuda.get_device_capability(device)))})")
+    return _flash_attention if name == "flash" or (name == "auto" and flash_ok) else _efficient_attention
+
+
 def _math_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
     """The CPU stand-in for _efficient_attention, same arguments and results: one sequence at a time, in
     float32 (float64 for float64 q), out rounded to q's dtype as the kernel's is."""
@@ -230,7 +261,8 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
                      causal: bool = True, max_q_len: int, max_kv_len: int, max_prefix_len: Optional[int] = None,
                      kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
                      out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                     workspace: Optional[torch.Tensor] = None, validate: bool = False):
+                     workspace: Optional[torch.Tensor] = None, validate: bool = False,
+                     attention_kernel: str = "auto"):
     """Expanded-route prefill / extend attention over the latent cache -> (out [T, H, d_v], lse [T, H]).
 
     q [T, H, d_nope + 64] = [q_nope | q_pe] per head (fp16 or bf16 on CUDA), packed by cu_q_lens int32
@@ -241,7 +273,8 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
     count and the kernel's max_seqlen come from them; a length above its bound gives an unspecified
     result, checked with ``validate=True``). max_prefix_len: a host bound on kv_len - q_len over the
     sequences with queries (default max_kv_len - 1; 0 for whole prompts skips the prefix chunks).
-    kv_chunk: prefix rows per sequence up-projected at a time.
+    kv_chunk: prefix rows per sequence up-projected at a time. attention_kernel: "auto" (torch's flash
+    kernel on sm80+ for head dims <= 256, else its memory-efficient one), "flash" or "mem_efficient".
     Returns out in q's dtype and lse float32 (float64 for float64 q); rows past cu_q_lens[B] and queries
     that see no key get out 0, lse -inf (as the reference). ``workspace``: uint8, at least
     prefill_expanded_workspace_size(...) bytes; without it one is allocated per call. With out, lse and
@@ -287,12 +320,12 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
         have = (kv_cache.cu_block_nums.diff() if blocks else torch.full((batch,), block_table.shape[1]))
         _validate_lengths(cu_q_lens, kv_lens, tokens, (max_q_len, max_kv_len, prefix_bound), have,
                           source.block_size, blocks)
+    attend = _attention_kernel(attention_kernel, device, max(d_qk, d_v))
     ws = _workspace(workspace, _workspace_parts(tokens, batch, heads, d_nope, d_v, prefix_bound, kv_chunk, q.dtype),
                     device)
     if tokens == 0:
         return out, lse
 
-    attend = _efficient_attention if on_cuda else _math_attention
     w_uk_t, w_uv_t = w_uk.reshape(heads * d_nope, LATENT_DIM).t(), w_uv.reshape(heads * d_v, LATENT_DIM).t()
     gather_format = {} if blocks else dict(kv_format=source.kv_format, kv_scale=source.kv_scale,
                                            dtype=None if source.kv_format is None else q.dtype)
