@@ -180,3 +180,21 @@ def test_a_shard_clean_alone_passes(tmp_path):
     allow = tmp_path / "allow.txt"
     allow.write_text("# nothing allowed\n")
     assert sanitize.report(tmp_path, allow, ["synccheck"]) == 0
+
+
+def test_allow_list_pins_the_hopper_handoffs_it_names():
+    """The racecheck entries pin lines of attention_sm90.cuh, which move with every edit there: each
+    pinned line must still touch the shared buffer the entry's reason names first (max_s, sum_s, probs),
+    else the entry allows a different access than it says (or none)."""
+    repo = Path(__file__).resolve().parent.parent
+    source = (repo / "csrc/kernels/attention/attention_sm90.cuh").read_text().splitlines()
+    entries = [e for e in sanitize.parse_allow_list((repo / "scripts/sanitize-allow.txt").read_text())
+               if e.sites and "attention_sm90.cuh" in e.sites]
+    assert entries
+    for entry in entries:
+        name = entry.reason.split()[0].rstrip(":")
+        for lo, hi in entry.sites["attention_sm90.cuh"]:
+            for number in range(lo, hi + 1):
+                assert name in source[number - 1], (
+                    f"sanitize-allow.txt:{entry.line}: attention_sm90.cuh:{number} no longer touches {name}: "
+                    f"{source[number - 1].strip()!r}")

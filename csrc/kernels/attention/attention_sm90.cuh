@@ -15,18 +15,17 @@
 // A tile is copied in two halves, the parts each warpgroup's own products read last: the latent
 // chunks 0..3 with the rope chunk (warpgroup 0's), the latent chunks 4..7 (warpgroup 1's). A half
 // is refilled with the next pair's tile as soon as its last reader is done, and an mbarrier per
-// half and stage says when it has landed. Two copy paths:
+// half and stage says when it has landed. Three copy paths:
 //   - TMA (paged caches whose tiles are whole boxes of a tensor map, make_tile_map): a third
 //     warpgroup hands its registers to the math warpgroups, and one of its threads issues every
 //     copy; "freed" mbarriers tell it when a half may be overwritten. Boxes read whole blocks, so
 //     rows past the sequence's end are zeroed in shared memory before P.V (zero_tail).
 //   - cp.async (block pointers, other paged caches): each math warpgroup copies its own half.
-// Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
 //   - dequantize (quantized caches): the TMA variant's warpgroups, the third one's 128 threads reading
 //     each half's bytes by cp.async and dequantizing them into T in place (dequantize_tiles), so
-//     the products are the 16-bit ones and the math warpgroups never wait on a load.
-//     (Loads into the math warpgroups' registers spilled beside the accumulators and exposed a
-//     memory latency per few rows: 2.3x slower than the 16-bit cache, RESULTS.md.)
+//     the products are the 16-bit ones and the math warpgroups never wait on a load (loads into
+//     their registers spilled beside the accumulators: RESULTS.md, quantized decode).
+// Q, the tiles and P are kept in the 128-byte swizzled layout wgmma reads (arch/wgmma.cuh).
 #pragma once
 
 #include <type_traits>
@@ -160,16 +159,18 @@ __device__ __forceinline__ void copy_tiles_tma(const PagedTableRows& rows, const
 // the rope and chunk 3 over their own. Thread i owns tile row i / 2 and values 32 (i % 2) ..
 // + 31 of each of its 64-column chunks. The bytes of the next half are in flight while one is
 // dequantized when it is free (no further: the math warpgroups free tile t + 2's second half only
-// once tile t + 1 has landed). Rows past the sequence's end read as zero bytes with a zero scale: their values are 0.
+// once tile t + 1 has landed). Rows past the sequence's end read as zero bytes with a zero scale:
+// their values are 0.
 constexpr int kDequantBarrier = kTailZeroed + 2;  // the copy warpgroup's own (kTailZeroed + warpgroup: 5, 6)
 constexpr int kQuantMathRegisters = 208, kQuantCopyRegisters = 88;
 static_assert((2 * kQuantMathRegisters + kQuantCopyRegisters) * 128 <= (65536 / kTmaThreads) / 8 * 8 * kTmaThreads,
               "the CTA's register pool");
 
+// Bytes of one row's 64 latent values of a chunk, and of its 64 rope values, in format F.
 template <KvFormat F>
 struct QuantRow {
-  static constexpr int kChunkBytes = F == KvFormat::kInt4 ? 32 : 64;  // 64 latent values of a row
-  static constexpr int kRopeBytes = F == KvFormat::kFp8DsMla ? 128 : kChunkBytes;  // its 64 rope values
+  static constexpr int kChunkRowBytes = F == KvFormat::kInt4 ? 32 : 64;
+  static constexpr int kRopeRowBytes = F == KvFormat::kFp8DsMla ? 128 : kChunkRowBytes;
 };
 
 // Raw8 number i of a thread's 32 values of a row (dequant.cuh's units of 8 values) in shared memory.
@@ -193,11 +194,11 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
   constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
   const RowLayout& layout = rows.cache.row;
   const int r = thread / 2, side = thread % 2;
-  auto latent_raw = [&](int stage, int half) {  // chunk c's raw rows start at + c * 64 * Q::kChunkBytes
-    return kv_s + stage * kTileBytes + (4 * half + 4) * kChunkBytes - 4 * kTokens * Q::kChunkBytes;
+  auto latent_raw = [&](int stage, int half) {  // chunk c's raw rows start at + c * 64 * Q::kChunkRowBytes
+    return kv_s + stage * kTileBytes + (4 * half + 4) * kChunkBytes - 4 * kTokens * Q::kChunkRowBytes;
   };
   auto rope_raw = [&](int stage) {
-    return kv_s + stage * kTileBytes + (kRopeChunk + 1) * kChunkBytes - kTokens * Q::kRopeBytes;
+    return kv_s + stage * kTileBytes + (kRopeChunk + 1) * kChunkBytes - kTokens * Q::kRopeRowBytes;
   };
   // Copies row r's bytes of (tile t, half) (this thread's half of them) and returns what its values
   // are scaled by: int8 / int4's (scale, zero); fp8_ds_mla's tile scales of the half; fp8: kv_scale.
@@ -205,21 +206,21 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
     const int stage = t & 1, pos = w.kv_lo + t * kTokens + r;
     const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
     const char* row = base ? rows.row_in_block(base, pos) : nullptr;
-    constexpr int kUnits = 2 * Q::kChunkBytes / 16;  // this side's chunks 2 side, 2 side + 1
+    constexpr int kUnits = 2 * Q::kChunkRowBytes / 16;  // this side's chunks 2 side, 2 side + 1
 #pragma unroll
     for (int u = 0; u < kUnits; ++u) {
-      const int c = 2 * side + u / (Q::kChunkBytes / 16), byte = (u % (Q::kChunkBytes / 16)) * 16;
+      const int c = 2 * side + u / (Q::kChunkRowBytes / 16), byte = (u % (Q::kChunkRowBytes / 16)) * 16;
       const int e = stored_column(layout, 256 * half + 64 * c);
-      arch::cp_async_16(latent_raw(stage, half) + c * kTokens * Q::kChunkBytes + r * Q::kChunkBytes + byte,
+      arch::cp_async_16(latent_raw(stage, half) + c * kTokens * Q::kChunkRowBytes + r * Q::kChunkRowBytes + byte,
                         row ? row + dequant::vector_byte(F, e) + byte : zero_src, row != nullptr);
     }
     if (half == 0) {
       const int e = stored_column(layout, kLatentDim);
 #pragma unroll
-      for (int u = 0; u < Q::kRopeBytes / 32; ++u) {
-        const int byte = side * (Q::kRopeBytes / 2) + u * 16;
-        arch::cp_async_16(rope_raw(stage) + r * Q::kRopeBytes + byte, row ? row + dequant::vector_byte(F, e) + byte : zero_src,
-                          row != nullptr);
+      for (int u = 0; u < Q::kRopeRowBytes / 32; ++u) {
+        const int byte = side * (Q::kRopeRowBytes / 2) + u * 16;
+        arch::cp_async_16(rope_raw(stage) + r * Q::kRopeRowBytes + byte,
+                          row ? row + dequant::vector_byte(F, e) + byte : zero_src, row != nullptr);
       }
     }
     arch::cp_async_commit();
@@ -250,12 +251,12 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
   auto dequantize = [&](int t, int half, float2 s) {
     const int stage = t & 1;
     unsigned char* dst = kv_s + stage * kTileBytes + 4 * half * kChunkBytes;
-    const unsigned char* raw_rows = latent_raw(stage, half) + r * Q::kChunkBytes + side * (Q::kChunkBytes / 2);
+    const unsigned char* raw_rows = latent_raw(stage, half) + r * Q::kChunkRowBytes + side * (Q::kChunkRowBytes / 2);
     const float zero = kTrailer ? s.y : 0.f;
     arch::named_barrier_sync(kDequantBarrier, kGroupThreads);  // every thread's bytes have landed
     auto chunk = [&](int c) {
       Raw raw;
-      load(raw_rows + c * kTokens * Q::kChunkBytes, false, raw);
+      load(raw_rows + c * kTokens * Q::kChunkRowBytes, false, raw);
       store(raw, false, scale_of(s, c), zero, dst + c * kChunkBytes);
     };
     chunk(0);
@@ -266,12 +267,12 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
     // the other threads read theirs.
     if (half == 0) {
       Raw rope;
-      load(rope_raw(stage) + r * Q::kRopeBytes + side * (Q::kRopeBytes / 2), true, rope);
+      load(rope_raw(stage) + r * Q::kRopeRowBytes + side * (Q::kRopeRowBytes / 2), true, rope);
       arch::named_barrier_sync(kDequantBarrier, kGroupThreads);
       store(rope, true, s.x, zero, kv_s + stage * kTileBytes + kRopeChunk * kChunkBytes);
     }
     Raw last;
-    load(raw_rows + 3 * kTokens * Q::kChunkBytes, false, last);
+    load(raw_rows + 3 * kTokens * Q::kChunkRowBytes, false, last);
     arch::named_barrier_sync(kDequantBarrier, kGroupThreads);
     store(last, false, scale_of(s, 3), zero, dst + 3 * kChunkBytes);
     arch::fence_proxy_async();  // the stores are read by wgmma (the async proxy)
@@ -303,13 +304,14 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
 
 // A third (copy) warpgroup moves the tiles of the TMA variant and of a quantized cache.
 constexpr bool has_copy_group(bool tma, KvFormat f) { return tma || f != KvFormat::kNone; }
+constexpr int threads_of(bool tma, KvFormat f) { return has_copy_group(tma, f) ? kTmaThreads : kThreads; }
 
 // kTma: tiles arrive by TMA through `tile_map` (a 3-D map [num_blocks][block_size][576] of a
 // paged cache, 128-byte swizzled boxes of 64 columns x min(64, block_size) rows); a quantized cache
 // (kFormat) is dequantized by the copy warpgroup (dequantize_tiles); otherwise the math warpgroups
 // copy 16-bit rows by cp.async.
 template <class T, class Rows, bool kTma, KvFormat kFormat>
-__global__ void __launch_bounds__(has_copy_group(kTma, kFormat) ? kTmaThreads : kThreads, 1)
+__global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     attention_wgmma_kernel(const AttentionParams p, const Rows rows, const __grid_constant__ CUtensorMap tile_map) {
   constexpr bool kQuant = kFormat != KvFormat::kNone, kCopyGroup = has_copy_group(kTma, kFormat);
   static_assert(!(kTma && kQuant), "TMA copies 16-bit tiles only");
@@ -706,7 +708,7 @@ Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map
   const auto kernel = attention_wgmma_kernel<T, Rows, kTma, kFormat>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)) != cudaSuccess)
     return Status::kCudaError;
-  kernel<<<dim3(grid_x, p.num_splits), has_copy_group(kTma, kFormat) ? kTmaThreads : kThreads, kBytes, stream>>>(p, rows, map);
+  kernel<<<dim3(grid_x, p.num_splits), threads_of(kTma, kFormat), kBytes, stream>>>(p, rows, map);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
