@@ -117,6 +117,29 @@ def test_matches_reference(dims, heads, dtype, batch, kv_chunk):
     check(case, case.run(kv_chunk=kv_chunk), f"{batch} kv_chunk={kv_chunk}")
 
 
+def plant_sinks_and_jumps(case, factor):
+    """Scales each sequence's first cached row (a sink in the first prefix chunk) and its last prefix row
+    (in the last chunk) by `factor`: their scores grow by that factor, to the top of the softmax in some
+    heads and the bottom in others, so the running max jumps between chunks as in real models."""
+    block_size = case.cache.shape[1]
+    for b, (kv_len, q_len) in enumerate(zip(case.kv_lens.tolist(), case.cu_q_lens.diff().tolist())):
+        for pos in {0, kv_len - q_len - 1} if kv_len - q_len > 0 else ():
+            case.cache[case.table[b, pos // block_size], pos % block_size] *= factor
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kv_chunk", [5, 16])
+def test_sinks_and_score_jumps_across_chunks(dims, dtype, kv_chunk):
+    case = make_case(EXTEND, 20, dims, dtype)
+    live = int(case.cu_q_lens[-1])
+    plain_lse = case.reference()[1][:live]
+    plant_sinks_and_jumps(case, 6.0)
+    planted_lse = case.reference()[1][:live]
+    assert float((planted_lse - plain_lse).abs().max()) > 5, "the planted rows must dominate some heads"
+    check(case, case.run(kv_chunk=kv_chunk), f"sinks and jumps kv_chunk={kv_chunk}")
+
+
 @pytest.mark.parametrize("dims", list(DIMS))
 def test_not_causal(dims):
     case = make_case(EXTEND, 3, dims, torch.float64)
