@@ -269,8 +269,9 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
     [B + 1]; kv_lens int32 [B] include the new tokens, already in the cache; cache arguments (a paged
     kv_cache with block_table, quantized with kv_format / kv_scale, or a BlockPointerCache) as in prefill;
     w_uk [H, d_nope, 512], w_uv [H, d_v, 512] in q's dtype (weights.split_kv_b_proj; keep them contiguous,
-    else every call copies them; d_nope and d_v multiples of 8 on CUDA). max_q_len / max_kv_len: host bounds on every q_len / kv_len (the chunk
-    count and the kernel's max_seqlen come from them; a length above its bound gives an unspecified
+    else every call copies them; d_nope and d_v multiples of 8 on CUDA). max_q_len / max_kv_len: host
+    bounds on every q_len / kv_len (the chunk count and the kernel's max_seqlen come from them; a length
+    above its bound gives an unspecified
     result, checked with ``validate=True``). max_prefix_len: a host bound on kv_len - q_len over the
     sequences with queries (default max_kv_len - 1; 0 for whole prompts skips the prefix chunks).
     kv_chunk: prefix rows per sequence up-projected at a time. attention_kernel: "auto" (torch's flash
