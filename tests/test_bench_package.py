@@ -29,6 +29,7 @@ OPTIONS = {
     "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only"],
     "gather": ["--quick", "--json", "--plot"],
     "prefill": ["--quick", "--json", "--plot"],
+    "expanded": ["--quick", "--json", "--plot"],
     "cp": ["--quick", "--json", "--gpus", "--part"],
     "profile_decode": ["--times"],
 }

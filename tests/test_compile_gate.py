@@ -35,3 +35,11 @@ def test_gate_fails_an_injected_wgmma_wait_anywhere():
     gate = load_gate()
     for attention in (True, False):
         assert "injected wgmma wait" in gate.register_problem(INJECTED, attention=attention)
+
+
+def test_gate_holds_both_attention_families_to_no_spills():
+    gate = load_gate()
+    kernels = gate.REPO / "csrc" / "kernels"
+    assert gate.is_attention(kernels / "attention" / "attention_sm70.cu")
+    assert gate.is_attention(kernels / "expanded" / "expanded_sm70.cu")
+    assert not gate.is_attention(kernels / "write" / "write_kv_sm70.cu")

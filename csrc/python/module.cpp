@@ -8,6 +8,7 @@
 
 #include "mla_kv/arch.h"
 #include "mla_kv/attention.h"
+#include "mla_kv/expanded.h"
 #include "mla_kv/gather.h"
 #include "mla_kv/layout.h"
 #include "mla_kv/merge.h"
@@ -202,6 +203,43 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_blocks", [](const AttentionParams& p, const BlockPointerCache& cache, Arch arch,
                                uintptr_t stream) {
     check(invokeAttentionBlocks(p, cache, arch, as_stream(stream)), "attention_blocks");
+  });
+  py::class_<ExpandedAttentionParams>(m, "ExpandedAttentionParams")
+      .def(py::init([]() { return ExpandedAttentionParams{}; }))
+      .def_readwrite("dtype", &ExpandedAttentionParams::dtype)
+      .def_readwrite("batch", &ExpandedAttentionParams::batch)
+      .def_readwrite("num_heads", &ExpandedAttentionParams::num_heads)
+      .def_readwrite("head_dim_qk", &ExpandedAttentionParams::head_dim_qk)
+      .def_readwrite("head_dim_v", &ExpandedAttentionParams::head_dim_v)
+      .def_readwrite("max_q_len", &ExpandedAttentionParams::max_q_len)
+      .PTR_PROPERTY(ExpandedAttentionParams, cu_q_lens)
+      .PTR_PROPERTY(ExpandedAttentionParams, cu_k_lens)
+      .PTR_PROPERTY(ExpandedAttentionParams, q)
+      .def_readwrite("q_stride_t", &ExpandedAttentionParams::q_stride_t)
+      .def_readwrite("q_stride_h", &ExpandedAttentionParams::q_stride_h)
+      .PTR_PROPERTY(ExpandedAttentionParams, k)
+      .def_readwrite("k_stride_t", &ExpandedAttentionParams::k_stride_t)
+      .def_readwrite("k_stride_h", &ExpandedAttentionParams::k_stride_h)
+      .PTR_PROPERTY(ExpandedAttentionParams, v)
+      .def_readwrite("v_stride_t", &ExpandedAttentionParams::v_stride_t)
+      .def_readwrite("v_stride_h", &ExpandedAttentionParams::v_stride_h)
+      .PTR_PROPERTY(ExpandedAttentionParams, out)
+      .def_readwrite("out_stride_t", &ExpandedAttentionParams::out_stride_t)
+      .def_readwrite("out_stride_h", &ExpandedAttentionParams::out_stride_h)
+      .PTR_PROPERTY(ExpandedAttentionParams, lse)
+      .def_readwrite("lse_stride_t", &ExpandedAttentionParams::lse_stride_t)
+      .def_readwrite("lse_stride_h", &ExpandedAttentionParams::lse_stride_h)
+      .def_readwrite("softmax_scale", &ExpandedAttentionParams::softmax_scale)
+      .def_readwrite("causal", &ExpandedAttentionParams::causal)
+      .def_readwrite("smem_limits", &ExpandedAttentionParams::smem_limits);
+  py::class_<ExpandedTiles>(m, "ExpandedTiles")
+      .def_readonly("block_m", &ExpandedTiles::block_m)
+      .def_readonly("block_n", &ExpandedTiles::block_n)
+      .def_readonly("smem_bytes", &ExpandedTiles::smem_bytes);
+  m.def("expanded_attention_supported", &expanded_attention_supported);
+  m.def("expanded_attention_tiles", &expanded_attention_tiles);
+  m.def("expanded_attention", [](const ExpandedAttentionParams& p, Arch arch, uintptr_t stream) {
+    check(invokeExpandedAttention(p, arch, as_stream(stream)), "expanded_attention");
   });
   py::class_<MergeParams>(m, "MergeParams")
       .def(py::init([]() { return MergeParams{}; }))

@@ -23,13 +23,14 @@ OPS = {
     "decode": "decode vs the copy bandwidth and the tensor-core ceiling",
     "gather": "gather_kv vs the copy bandwidth",
     "prefill": "prefill vs the tensor-core ceiling; absorbed vs expanded",
+    "expanded": "prefill attention kernels of both routes (absorbed, own expanded, torch) vs their ceilings",
     "cp": "context parallel decode/prefill over NCCL (2+ GPUs)",
     "profile_decode": "decode launches for ncu / torch.profiler (not in the full run)",
 }
 # What ``mla-kv bench`` without an op runs, in this order.
-ALL = ("write", "decode", "gather", "prefill", "cp")
+ALL = ("write", "decode", "gather", "prefill", "expanded", "cp")
 # The ops whose rows have a ceiling to plot against (--plot).
-PLOTTED = ("write", "decode", "gather", "prefill")
+PLOTTED = ("write", "decode", "gather", "prefill", "expanded")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,7 +11,8 @@ and attention reads a position with no block as a zero row (a finite but unspeci
 no host synchronization or allocation otherwise, so they can be captured in CUDA graphs.
 
 The ops live by family: ``write`` (write_kv, fused_write_kv and their block-pointer forms),
-``attention`` (attention_schedule, decode, prefill, merge_states) and ``gather`` (gather_kv); ``_common``
+``attention`` (attention_schedule, decode, prefill, merge_states), ``expanded`` (prefill_expanded and
+its expanded_attention kernel) and ``gather`` (gather_kv); ``_common``
 holds what they share (the compiled module ``_C``, the argument checks, the cache conversions).
 ``library`` registers every op as a torch.library custom op, ``torch.ops.mla_kv.<name>``, for
 torch.compile and CUDA graphs (see its docstring for the schemas).
@@ -19,14 +20,14 @@ torch.compile and CUDA graphs (see its docstring for the schemas).
 from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
 from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
-from .expanded import prefill_expanded, prefill_expanded_workspace_size
+from .expanded import expanded_attention, prefill_expanded, prefill_expanded_workspace_size
 from .gather import gather_kv
 from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blocks
 
 from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 
 __all__ = [
-    "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "fused_write_kv",
+    "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
     "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "prefill_expanded",
     "prefill_expanded_workspace_size", "write_kv",
     "write_kv_blocks",

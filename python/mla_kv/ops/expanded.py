@@ -1,5 +1,5 @@
 """prefill_expanded: the expanded-route prefill, built from gather_kv, two GEMMs, an attention kernel and
-merge_states (no kernel of its own).
+merge_states; and expanded_attention, the own attention kernel it takes where torch has no flash kernel.
 
 The q tokens of sequence b are its last q_len_b of kv_len_b positions. Its keys split into the cached
 prefix [0, kv_len - q_len) and the new part [kv_len - q_len, kv_len). The new part is gathered (quantized
@@ -11,12 +11,13 @@ running (out, lse) by merge_states. Sizes, chunk counts and the kernel's max_seq
 ints max_q_len / max_kv_len / max_prefix_len, so nothing reads device data on the host.
 
 On CUDA the attention is torch's flash kernel (torch.ops.aten._flash_attention_forward: sm80+, head
-dims <= 256, the smaller of q/k's and v's zero-padded to the larger) where it runs, else torch's
-memory-efficient (cutlass fMHA) kernel, torch.ops.aten._efficient_attention_forward: sm50+, q/k head dim
-may differ from v's (multiples of 8); both varlen through cumulative lengths. On the H200 flash is
-~3x faster (bench/RESULTS.md); the memory-efficient kernel is what V100 and T4 have. On the CPU a small float math attention takes its place and gather_kv runs
-its reference, so the CPU run checks the same split, chunking and merging against the float64 spec
-(mla_kv.reference.prefill_expanded).
+dims <= 256, the smaller of q/k's and v's zero-padded to the larger) where it runs; below sm80 it is
+mla_kv's own expanded_attention kernel (Sm70 mma.m8n8k4 / Sm75 mma.m16n8k8, fp16, the head dims of
+OWN_KERNEL_DIMS); else torch's memory-efficient (cutlass fMHA) kernel,
+torch.ops.aten._efficient_attention_forward: sm50+, q/k head dim may differ from v's (multiples of 8).
+All take packed sequences through cumulative lengths. bench/RESULTS.md has their speeds. On the CPU a
+small float math attention takes their place and gather_kv runs its reference, so the CPU run checks the
+same split, chunking and merging against the float64 spec (mla_kv.reference.prefill_expanded).
 """
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ from typing import Optional
 
 import torch
 
+from .. import reference
 from .._checks import integer, real
+from ..gpus import LimitsSpec, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import _DTYPES, _result_tensor, _size, _tensor, _validate_table
+from ._common import (_C, _DTYPES, _aligned, _capability, _check_lens, _kernel_arch, _result_tensor, _same_device,
+                      _size, _stream, _tensor, _validate_table)
 from .attention import _check_attention_inputs, _lse_dtype, _packed_batch, merge_states
 from .gather import gather_kv
 
@@ -180,19 +184,38 @@ def _flash_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _
 
 
 _FLASH_MAX_DIM = 256
+_ATTENTION_KERNELS = ("auto", "flash", "mla_kv", "mem_efficient")
 
 
-def _attention_kernel(name, device, width):
-    """attention_kernel -> the attention function: "auto" takes flash on sm80+ for head dims <= 256."""
-    if name not in ("auto", "flash", "mem_efficient"):
-        raise ValueError(f"attention_kernel: one of 'auto', 'flash', 'mem_efficient', got {name!r}")
+def _attention_kernel(name, device, dtype, d_qk, d_v, arch):
+    """attention_kernel -> the attention function. "auto": torch's flash kernel on sm80+ for head dims
+    <= 256, else the own kernel (mla_kv: Sm70 / Sm75, fp16, OWN_KERNEL_DIMS), else torch's
+    memory-efficient one."""
+    if name not in _ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel: one of {', '.join(map(repr, _ATTENTION_KERNELS))}, got {name!r}")
+    if arch is not None and name not in ("auto", "mla_kv"):
+        raise ValueError(f"arch: picks the variant of the mla_kv kernel; attention_kernel={name!r} has none")
     if device.type != "cuda":
         return _math_attention
-    flash_ok = torch.cuda.get_device_capability(device) >= (8, 0) and width <= _FLASH_MAX_DIM
+    cc = "".join(map(str, torch.cuda.get_device_capability(device)))
+    flash_ok = torch.cuda.get_device_capability(device) >= (8, 0) and max(d_qk, d_v) <= _FLASH_MAX_DIM
+    own_ok = own_kernel_supported(device, dtype, d_qk, d_v)
     if name == "flash" and not flash_ok:
         raise ValueError(f"attention_kernel: flash needs sm80+ and head dims <= {_FLASH_MAX_DIM} "
-                         f"(got {width} on sm{''.join(map(str, torch.cuda.get_device_capability(device)))})")
-    return _flash_attention if name == "flash" or (name == "auto" and flash_ok) else _efficient_attention
+                         f"(got {max(d_qk, d_v)} on sm{cc})")
+    if name == "mla_kv" and not own_ok:
+        raise ValueError(f"attention_kernel: the mla_kv kernel takes float16 at (d_qk, d_v) in {OWN_KERNEL_DIMS} "
+                         f"on a GPU its sm70 / sm75 variants run on (got {dtype}, ({d_qk}, {d_v}) on sm{cc})")
+    if name == "flash" or (name == "auto" and flash_ok and arch is None):
+        return _flash_attention
+    if name == "mla_kv" or (name == "auto" and own_ok):
+        _own_kernel_tag(device, arch)  # a bad arch fails before anything runs
+
+        def own(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
+            del max_k, tokens
+            return expanded_attention(q, k, v, cu_q, cu_k, scale, causal=causal, max_q_len=max_q, arch=arch)
+        return own
+    return _efficient_attention
 
 
 def _math_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _Tokens):
@@ -214,6 +237,118 @@ def _math_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, tokens: _T
         out[q0:q1] = torch.einsum("hnl,lhv->nhv", torch.exp(scores - lse_b[..., None]), v[k0:k1].to(acc))
         lse[q0:q1] = lse_b.transpose(0, 1)
     return out.to(q.dtype), lse
+
+
+# ------------------------------------------------------------------ own expanded-form kernel
+# The head dims (d_qk, d_v) the own kernel is built for: DeepSeek-V2/V3 and Kimi-K2, GLM-4.7-Flash, and
+# a 64-wide nope half. Its tags: Sm70 (mma.m8n8k4) and Sm75 (mma.m16n8k8), fp16.
+OWN_KERNEL_DIMS = ((192, 128), (256, 256), (128, 128))
+_OWN_TAGS = ("sm70", "sm75")
+
+
+def _own_kernel_tag(device: torch.device, arch: Optional[str]):
+    """The _C.Arch the own kernel takes on ``device``: ``arch`` (sm70 / sm75), or the best that runs
+    there (Sm75 from Turing up, Sm70 on Volta)."""
+    if arch is not None and arch not in _OWN_TAGS:
+        raise ValueError(f"arch: the expanded-form kernel has the variants {', '.join(_OWN_TAGS)} (None: the "
+                         f"GPU's best), got {arch!r}")
+    if arch is not None:
+        return _kernel_arch(device, torch.float16, arch)
+    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    for tag in ("sm75", "sm70"):
+        if _C.resolve_arch(getattr(_C.Arch, tag), cc) != _C.Arch.auto:
+            return getattr(_C.Arch, tag)
+    return _kernel_arch(device, torch.float16, "sm70")  # raises: no variant runs on this GPU in this build
+
+
+def own_kernel_supported(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    """Whether the own expanded-form kernel serves this call: fp16 at one of OWN_KERNEL_DIMS, on a GPU
+    that runs one of its variants in this build."""
+    if _C is None or device.type != "cuda" or dtype != torch.float16 or (d_qk, d_v) not in OWN_KERNEL_DIMS:
+        return False
+    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return any(_C.resolve_arch(getattr(_C.Arch, t), cc) != _C.Arch.auto for t in _OWN_TAGS)
+
+
+def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
+                       cu_k_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True, max_q_len: int,
+                       out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                       arch: Optional[str] = None, smem_limits: LimitsSpec = None):
+    """Multi-head attention over packed sequences with per-head K and V (the expanded form) -> (out, lse).
+
+    q [T, H, d_qk], k [N, H, d_qk], v [N, H, d_v]; sequence b owns q rows cu_q_lens[b] .. cu_q_lens[b + 1]
+    and k / v rows cu_k_lens[b] .. cu_k_lens[b + 1] (int32 [B + 1]). causal: aligned bottom-right, query i
+    of a sequence with n queries and m keys sees keys j <= m - n + i; else all of its sequence's keys.
+    Returns out [T, H, d_v] in q's dtype and lse [T, H] float32 (natural log; float64 for float64 q); a
+    query that sees no key gets 0 / -inf; rows past cu_q_lens[B] are not written. max_q_len: a host bound
+    on every q_len (rows past it are not computed). On CUDA: fp16, (d_qk, d_v) in OWN_KERNEL_DIMS, head
+    dims contiguous, strides multiples of 8 elements; ``arch`` "sm70" / "sm75" picks the variant (both
+    run on any newer GPU), ``smem_limits`` plans the tiles of a smaller GPU (a class name of
+    mla_kv.gpus.gpu_classes(), or byte limits). CPU tensors run the reference.
+    Reference: mla_kv.reference.expanded_attention.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(name, t)
+    on_cuda = q.device.type == "cuda"
+    dtypes = (torch.float16,) if on_cuda else (*_DTYPES, torch.float64)
+    _tensor("q", q, dims=3, dtypes=dtypes, last_contiguous=True)
+    tokens, heads, d_qk = q.shape
+    _tensor("k", k, dims=3, dtype=q.dtype, last_contiguous=True)
+    _tensor("v", v, dims=3, dtype=q.dtype, last_contiguous=True)
+    _size("k", k, 1, heads)
+    _size("k", k, 2, d_qk)
+    _size("v", v, 0, k.shape[0])
+    _size("v", v, 1, heads)
+    d_v = v.shape[2]
+    softmax_scale = real("softmax_scale", softmax_scale, above=0)
+    max_q_len = integer("max_q_len", max_q_len, 1)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError(f"cu_q_lens: expected [batch + 1] with batch >= 1, got shape {tuple(cu_q_lens.shape)}")
+    batch = cu_q_lens.shape[0] - 1
+    _tensor("cu_k_lens", cu_k_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _size("cu_k_lens", cu_k_lens, 0, batch + 1)
+    device = _same_device(q=q, k=k, v=v, cu_q_lens=cu_q_lens, cu_k_lens=cu_k_lens)
+    out = _result_tensor("out", out, (tokens, heads, d_v), q.dtype, device)
+    lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
+    limits = _smem_limits(smem_limits)
+    if not on_cuda:
+        ref_out, ref_lse = reference.expanded_attention(q, k, v, cu_q_lens, cu_k_lens, softmax_scale, causal=causal)
+        rows = int(cu_q_lens[-1])
+        out[:rows].copy_(ref_out[:rows])
+        lse[:rows].copy_(ref_lse[:rows])
+        return out, lse
+    if (d_qk, d_v) not in OWN_KERNEL_DIMS:
+        name = "q" if d_qk not in {d for d, _ in OWN_KERNEL_DIMS} else "v"
+        raise ValueError(f"{name}: the expanded-form kernel is built for (d_qk, d_v) in {OWN_KERNEL_DIMS}, got "
+                         f"({d_qk}, {d_v})")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _aligned(name, t, 8)
+    for name, n in (("cu_q_lens", batch), ("q", heads)):
+        if n > 65535:
+            raise ValueError(f"{name}: at most 65,535 {'sequences' if name == 'cu_q_lens' else 'heads'}, got {n}")
+    tag = _own_kernel_tag(device, arch)
+    tiles = _C.expanded_attention_tiles(tag, d_qk, d_v, c_limits(limits))
+    if tiles.block_m == 0:
+        raise ValueError(f"smem_limits: no {tag.name} expanded-form tile at head dims ({d_qk}, {d_v}) fits "
+                         f"{limits if limits is not None else 'this GPU'}")
+    if tokens == 0:
+        return out, lse
+    p = _C.ExpandedAttentionParams()
+    p.dtype, p.batch, p.num_heads, p.head_dim_qk, p.head_dim_v = _C.DType.float16, batch, heads, d_qk, d_v
+    p.max_q_len, p.cu_q_lens, p.cu_k_lens = max_q_len, cu_q_lens.data_ptr(), cu_k_lens.data_ptr()
+    p.q, p.q_stride_t, p.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+    p.k, p.k_stride_t, p.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
+    p.v, p.v_stride_t, p.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
+    p.out, p.out_stride_t, p.out_stride_h = out.data_ptr(), out.stride(0), out.stride(1)
+    p.lse, p.lse_stride_t, p.lse_stride_h = lse.data_ptr(), lse.stride(0), lse.stride(1)
+    p.softmax_scale, p.causal = softmax_scale, causal
+    p.smem_limits = c_limits(limits)
+    with torch.cuda.device(device):
+        _C.expanded_attention(p, tag, _stream(device))
+    return out, lse
 
 
 # ------------------------------------------------------------------------------------ steps
@@ -262,7 +397,7 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
                      kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
                      out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                      workspace: Optional[torch.Tensor] = None, validate: bool = False,
-                     attention_kernel: str = "auto"):
+                     attention_kernel: str = "auto", arch: Optional[str] = None):
     """Expanded-route prefill / extend attention over the latent cache -> (out [T, H, d_v], lse [T, H]).
 
     q [T, H, d_nope + 64] = [q_nope | q_pe] per head (fp16 or bf16 on CUDA), packed by cu_q_lens int32
@@ -275,7 +410,9 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
     result, checked with ``validate=True``). max_prefix_len: a host bound on kv_len - q_len over the
     sequences with queries (default max_kv_len - 1; 0 for whole prompts skips the prefix chunks).
     kv_chunk: prefix rows per sequence up-projected at a time. attention_kernel: "auto" (torch's flash
-    kernel on sm80+ for head dims <= 256, else its memory-efficient one), "flash" or "mem_efficient".
+    kernel on sm80+ for head dims <= 256, else mla_kv's own expanded_attention kernel where it serves the
+    call: fp16 at OWN_KERNEL_DIMS, else torch's memory-efficient kernel), "flash", "mla_kv" or
+    "mem_efficient"; ``arch`` ("sm70" / "sm75") runs that variant of the own kernel, on any newer GPU.
     Returns out in q's dtype and lse float32 (float64 for float64 q); rows past cu_q_lens[B] and queries
     that see no key get out 0, lse -inf (as the reference). ``workspace``: uint8, at least
     prefill_expanded_workspace_size(...) bytes; without it one is allocated per call. With out, lse and
@@ -321,7 +458,7 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
         have = (kv_cache.cu_block_nums.diff() if blocks else torch.full((batch,), block_table.shape[1]))
         _validate_lengths(cu_q_lens, kv_lens, tokens, (max_q_len, max_kv_len, prefix_bound), have,
                           source.block_size, blocks)
-    attend = _attention_kernel(attention_kernel, device, max(d_qk, d_v))
+    attend = _attention_kernel(attention_kernel, device, q.dtype, d_qk, d_v, arch)
     ws = _workspace(workspace, _workspace_parts(tokens, batch, heads, d_nope, d_v, prefix_bound, kv_chunk, q.dtype),
                     device)
     if tokens == 0:

@@ -50,7 +50,7 @@ Schemas (``(a!)``: written in place)::
                      Tensor w_uk, Tensor w_uv, float softmax_scale, Tensor(a!)? workspace, *, SymInt max_q_len,
                      SymInt max_kv_len, bool causal=True, SymInt? max_prefix_len=None, SymInt kv_chunk=8192,
                      str? kv_format=None, float? kv_scale=None, bool validate=False,
-                     str attention_kernel="auto") -> (Tensor out, Tensor lse)
+                     str attention_kernel="auto", str? arch=None) -> (Tensor out, Tensor lse)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
     gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
               str? kv_format=None, float? kv_scale=None, bool validate=False, str? arch=None) -> ()
@@ -267,13 +267,14 @@ def prefill_expanded(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens
                      w_uk: Tensor, w_uv: Tensor, softmax_scale: float, workspace: Optional[Tensor], *,
                      max_q_len: int, max_kv_len: int, causal: bool = True, max_prefix_len: Optional[int] = None,
                      kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
-                     validate: bool = False, attention_kernel: str = "auto") -> Tuple[Tensor, Tensor]:
+                     validate: bool = False, attention_kernel: str = "auto",
+                     arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """mla_kv.prefill_expanded over a paged cache -> (out, lse)."""
     return _expanded.prefill_expanded(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv, softmax_scale,
                                       causal=causal, max_q_len=max_q_len, max_kv_len=max_kv_len,
                                       max_prefix_len=max_prefix_len, kv_chunk=kv_chunk, kv_format=kv_format,
                                       kv_scale=kv_scale, workspace=workspace, validate=validate,
-                                      attention_kernel=attention_kernel)
+                                      attention_kernel=attention_kernel, arch=arch)
 
 
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
