@@ -30,7 +30,7 @@ ARCHS = ("Sm70", "Sm75", "Sm80", "Sm90")
 ALL = ARCHS
 WRITE_ARCHS = ("Sm70", "Sm80")   # write/gather variants (Sm75 runs Sm70's, Sm90 runs Sm80's)
 MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
-FAMILIES = ("write", "gather", "attention", "combine", "merge", "schedule")
+FAMILIES = ("write", "gather", "attention", "expanded", "combine", "merge", "schedule")
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
           "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
           "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized")
@@ -48,6 +48,7 @@ MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
 COMBINE_CU = "csrc/kernels/attention/combine.cu"
 ATTENTION_CU = "csrc/kernels/attention/attention.cu"
 SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
+EXPANDED_CUH = "csrc/kernels/expanded/expanded_attention.cuh"
 MERGE_CU = "csrc/kernels/attention/merge.cu"
 
 T_WRITE = ("tests/test_write.py",)
@@ -58,6 +59,7 @@ T_GUARDS = ("tests/test_attention_guards.py",)  # reads past the table, NaN cana
 T_QUANT_WRITE = ("tests/test_write_quant.py",)
 T_QUANT_GATHER = ("tests/test_gather_quant.py",)
 T_QUANT_ATTENTION = ("tests/test_attention_quant.py",)
+T_EXPANDED = ("tests/test_expanded_attention.py",)
 T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
 # does, only tests that plant such scores (named after score jumps / patterns in the suite).
@@ -311,6 +313,24 @@ MUTATIONS = (
              "adopt_max(1, alpha);", "adopt_max(0, alpha);", T_SCORES + T_ATTENTION,
              "seesaw: warpgroup 0 re-reads its own max instead of warpgroup 1's (wrong after a score jump "
              "in a pair's second tile)", focus=RESCALE_FOCUS),
+    # ------------------------------------------------------------------ expanded-form kernel (Sm70 / Sm75)
+    Mutation("expanded-causal-one-late", "expanded", ("Sm70", "Sm75"), ("mask", "prefill"), EXPANDED_CUH,
+             "row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 1) : w.kv_hi;",
+             "row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 2) : w.kv_hi;", T_EXPANDED,
+             "expanded_attention: each causal query also sees the key after its own"),
+    Mutation("expanded-rescale-skipped", "expanded", ("Sm70", "Sm75"), ("rescale",), EXPANDED_CUH,
+             "rescale = __syncthreads_or(alpha != 1.f);", "rescale = __syncthreads_or(alpha != 1.f) && false;",
+             T_EXPANDED, "expanded_attention: O is not rescaled when the running max moves",
+             focus=RESCALE_FOCUS + " or sink"),
+    Mutation("expanded-lse-log2", "expanded", ("Sm70", "Sm75"), ("lse",), EXPANDED_CUH,
+             "l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;", "l > 0.f ? (max_s[tid] + log2f(l)) : -INFINITY;",
+             T_EXPANDED, "expanded_attention: lse left in the log2 domain"),
+    Mutation("expanded-split-k-slice-dropped", "expanded", ("Sm70", "Sm75"), ("mma",), EXPANDED_CUH,
+             "for (int part = 0; part < kSplitK; ++part)", "for (int part = 0; part < 1; ++part)", T_EXPANDED,
+             "expanded_attention, 32-row CTAs (Sm75 at 256 / 256, T4 limits): the second half of d_qk is dropped"),
+    Mutation("expanded-q-head-stride", "expanded", ("Sm70", "Sm75"), ("addressing",), EXPANDED_CUH,
+             "w.q_base * p.q_stride_t + int64_t(w.h) * p.q_stride_h;", "w.q_base * p.q_stride_t + int64_t(w.h) * p.k_stride_h;",
+             T_EXPANDED, "expanded_attention: q's heads addressed with k's head stride (equal when both are dense)"),
     # ------------------------------------------------------------------ split-KV combine
     Mutation("combine-few-lse", "combine", ALL, ("split", "lse"), COMBINE_CU,
              "denom > 0.f ? m + logf(denom) : -INFINITY;", "denom > 0.f ? m : -INFINITY;", T_ATTENTION,

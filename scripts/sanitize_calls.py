@@ -45,7 +45,7 @@ def calls() -> List[Tuple[str, object]]:
     """(name, case) of every call: small shapes, every kernel variant the H200 can launch."""
     sc = _sweep_cases()
     BlockWriteCase, CacheSpec, CpCase, DecodeCase = sc.BlockWriteCase, sc.CacheSpec, sc.CpCase, sc.DecodeCase
-    QuantCase = sc.QuantCase
+    QuantCase, ExpandedCase = sc.QuantCase, sc.ExpandedCase
     GatherCase, MergeCase, PrefillCase, RopeSpec, WriteCase = (sc.GatherCase, sc.MergeCase, sc.PrefillCase,
                                                                sc.RopeSpec, sc.WriteCase)
 
@@ -128,6 +128,14 @@ def calls() -> List[Tuple[str, object]]:
     out += [(f"quantized/{fmt}/{arch or 'best'}/{dt}", QuantCase(kv_format=fmt, arch=arch, dtype=dt))
             for fmt in ("fp8", "fp8_ds_mla", "int8", "int4") for arch in (None, "sm70")
             for dt in ("float16",) + (("bfloat16",) if arch is None else ())]
+    # The expanded-form kernel: both tags, every head-dim pair, 64- and 32-row CTAs (the T4's limits),
+    # packed sequences with none / more queries than keys, padded rows and strided rows.
+    for arch in ("sm70", "sm75"):
+        for dims in ((192, 128), (256, 256), (128, 128)):
+            name = f"expanded_attention/{arch}/float16/{dims[0]}x{dims[1]}"
+            case = ExpandedCase(arch=arch, dims=dims, q_lens=[40, 1, 0, 9], k_lens=[40, 130, 7, 3], pad_rows=3,
+                                pads=(8, 0, 8, 8))
+            out += [(name, case), (f"{name}/full-T4", replace(case, causal=False, gpu="T4 / RTX 20"))]
     out += [("cp_decode/best/float16/cp2", CpCase(kv_lens=[70, 5], q_lens=[3, 3])),
             ("cp_prefill/best/float16/cp2", CpCase(prefill=True, kv_lens=[40, 9], q_lens=[7, 9]))]
     return out

@@ -840,8 +840,55 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
     return Outcome(problems, changed + can.changed_bytes(att_out, att_lse))
 
 
+@dataclass
+class ExpandedCase:
+    """mla_kv.expanded_attention over per-head K / V: rows past cu_q_lens[B] must stay untouched."""
+    arch: Optional[str] = None
+    dims: Tuple[int, int] = (256, 256)  # (d_qk, d_v)
+    q_lens: List[int] = field(default_factory=lambda: [5, 1])
+    k_lens: List[int] = field(default_factory=lambda: [5, 70])
+    pad_rows: int = 0
+    causal: bool = True
+    heads: int = 3
+    pads: Tuple[int, int, int, int] = (0, 0, 0, 0)  # elements after each head row of q, k, v, out (x 8)
+    gpu: Optional[str] = None
+
+
+def run_expanded(case: ExpandedCase, device, seed: int) -> Outcome:
+    (d_qk, d_v), (gen, _) = case.dims, generators(device, seed)
+    can = Canaries(device, gen)
+    heads, batch = case.heads, len(case.q_lens)
+    packed, keys = sum(case.q_lens), sum(case.k_lens)
+    tokens = packed + case.pad_rows
+    q = can.tensor((tokens, heads, d_qk), torch.float16, pad=(0, 0, case.pads[0]))
+    k = can.tensor((keys, heads, d_qk), torch.float16, pad=(0, 0, case.pads[1]))
+    v = can.tensor((keys, heads, d_v), torch.float16, pad=(0, 0, case.pads[2]))
+    # Scores of std 2.5 at the 1/sqrt(d_qk) scale (q std 2.5 d^1/4, k std d^-1/4); the pads keep their
+    # random bytes (NaN among them), which the kernel must never read.
+    q.copy_(randn(q.shape, gen, device, 2.5 * d_qk ** 0.25))
+    k.copy_(randn(k.shape, gen, device, d_qk ** -0.25))
+    v.copy_(randn(v.shape, gen, device))
+    cu_q, cu_k = can.tensor((batch + 1,), torch.int32), can.tensor((batch + 1,), torch.int32)
+    cu_q.copy_(torch.tensor([0] + case.q_lens).cumsum(0))
+    cu_k.copy_(torch.tensor([0] + case.k_lens).cumsum(0))
+    out = can.tensor((tokens, heads, d_v), torch.float16, pad=(0, 0, case.pads[3]))
+    lse = can.tensor((tokens, heads), torch.float32)
+    scale = d_qk ** -0.5
+    result, failed = _call(lambda: mla_kv.expanded_attention(q, k, v, cu_q, cu_k, scale, causal=case.causal,
+                                                             max_q_len=max(max(case.q_lens), 1), out=out, lse=lse,
+                                                             arch=case.arch, smem_limits=case.gpu), None, can)
+    if failed:
+        return failed
+    ref_out, ref_lse = mla_kv.reference.expanded_attention(q.double(), k.double(), v.double(), cu_q, cu_k, scale,
+                                                           causal=case.causal)
+    problems = attention_problems("expanded_attention", out[:packed], lse[:packed], ref_out[:packed],
+                                  ref_lse[:packed], cu_q_lens=cu_q)
+    return Outcome(problems, can.changed_bytes(out[:packed], lse[:packed]))
+
+
 RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
-           WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp, QuantCase: run_quant}
+           WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp, QuantCase: run_quant,
+           ExpandedCase: run_expanded}
 
 
 def run(case, device, seed: int) -> Outcome:

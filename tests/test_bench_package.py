@@ -28,7 +28,7 @@ OPTIONS = {
     "write": ["--quick", "--json", "--plot", "--heads-q", "--kv-formats"],
     "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only"],
     "gather": ["--quick", "--json", "--plot"],
-    "prefill": ["--quick", "--json", "--plot"],
+    "prefill": ["--quick", "--json", "--plot", "--routes", "--arch", "--table"],
     "expanded": ["--quick", "--json", "--plot"],
     "cp": ["--quick", "--json", "--gpus", "--part"],
     "profile_decode": ["--times"],
@@ -58,8 +58,8 @@ def test_op_help_without_gpu(op):
     assert ("--plot" in r.stdout) == (op in bench.PLOTTED)
 
 
-@pytest.mark.parametrize("script", ["bench_write", "bench_decode", "bench_gather", "bench_prefill", "bench_cp",
-                                    "profile_decode"])
+@pytest.mark.parametrize("script", ["bench_write", "bench_decode", "bench_gather", "bench_prefill", "bench_expanded",
+                                    "bench_cp", "profile_decode"])
 def test_entry_points_in_bench_call_the_package(script):
     """bench/*.py stay for scripts/gpu-check and source-tree use: a call of the package's main, no code."""
     path = ROOT / "bench" / f"{script}.py"
@@ -89,7 +89,8 @@ def _env() -> dict:
 def test_modules_import_from_the_package_alone():
     """From another directory, with no bench/ on the path: the modules and their helpers are in mla_kv."""
     code = ("import sys, mla_kv, mla_kv.bench.common, mla_kv.bench.write, mla_kv.bench.decode, "
-            "mla_kv.bench.gather, mla_kv.bench.prefill, mla_kv.bench.cp, mla_kv.bench.profile_decode\n"
+            "mla_kv.bench.gather, mla_kv.bench.prefill, mla_kv.bench.expanded, mla_kv.bench.cp, "
+            "mla_kv.bench.profile_decode\n"
             "print(mla_kv.__file__); print(mla_kv.bench.decode.__file__); print('common' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp", env=_env(),
                        timeout=300)
@@ -100,7 +101,7 @@ def test_modules_import_from_the_package_alone():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("op", ["write", "decode", "gather", "prefill", "profile_decode"])
+@pytest.mark.parametrize("op", ["write", "decode", "gather", "prefill", "expanded", "profile_decode"])
 def test_op_without_gpu_exits_1_with_one_line(op, capsys):
     argv = ["--times"] if op == "profile_decode" else ["--quick"]
     assert bench.main([op, *argv]) == 1
@@ -233,6 +234,12 @@ def _prefill_row(label, q_len, kv_len, heads, dtype, gen):
             "mem-eff attn_ms": 1.3, "mem-eff op overhead %": 23.1, "op_diff": 1e-3}
 
 
+def _expanded_rows(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
+    return [{"case": label, "model": model, "H": heads, "B": batch, "q_len": q_len, "kv_len": kv_len,
+             "kernel": "mla_kv expanded", "tag": tag, "ms": 1.0, "TFLOP/s": 50.0, "% mma": 40.0, "x absorbed": 2.0,
+             "x mem-eff": 0.5, "rel_diff": 1e-4} for tag in tags]
+
+
 def _write_rows(tokens, dtypes, heads_q, kv_formats):
     return [{"op": op, "dtype": str(d).split(".")[1], "T": t, "us": 5.0, "bytes": t * 2312, "GB/s": 1000.0,
              "/ 16-bit": 1.0 if "[" in op else None, "torch_native_us": None, "torch_native_GB/s": None}
@@ -246,6 +253,7 @@ FAKED = {
     "decode": ("run_case", _decode_row, {"device", "copy_GBps", "mma_TFLOPs", "rows"}),
     "gather": ("run_case", _gather_row, {"device", "copy_GBps", "rows"}),
     "prefill": ("run_case", _prefill_row, {"device", "mma_TFLOPs", "rows"}),
+    "expanded": ("run_case", _expanded_rows, {"device", "mma_TFLOPs", "rows"}),
 }
 
 
@@ -264,12 +272,13 @@ def test_op_main_writes_table_json_and_plot(op, monkeypatch, capsys, tmp_path):
     cpu_generator = torch.Generator
     monkeypatch.setattr(torch, "Generator", lambda device=None: cpu_generator())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     out_json, out_plot = tmp_path / f"{op}.json", tmp_path / op
     assert module.main(["--quick", "--json", str(out_json), "--plot", str(out_plot)], prog=f"mla-kv bench {op}") == 0
     payload = json.loads(out_json.read_text())
     assert set(payload) == keys and payload["rows"]
     ceiling_columns = {"write": ["% copy"], "decode": ["% copy", "% mma"], "gather": ["% copy", "native % copy"],
-                       "prefill": ["% mma"]}[op]
+                       "prefill": ["% mma"], "expanded": ["% mma"]}[op]
     assert all(c in payload["rows"][0] for c in ceiling_columns)
     assert (tmp_path / f"{op}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out

@@ -281,6 +281,18 @@ def test_gpu_matches_reference(dtype, dims, heads, batch, kernel):
 
 
 @GPU
+@pytest.mark.parametrize("arch", ["sm70", "sm75"])
+@pytest.mark.parametrize("dims", list(DIMS))
+@pytest.mark.parametrize("heads", [3, 20])
+@pytest.mark.parametrize("batch", ["whole", "extend"])
+def test_gpu_own_kernel_matches_reference(arch, dims, heads, batch):
+    """The op on mla_kv's own expanded-form kernel (what V100 / T4 take under "auto"), each variant."""
+    case = make_case(WHOLE if batch == "whole" else EXTEND, heads, dims, torch.float16, device="cuda",
+                     shared_blocks=int(batch == "extend"))
+    check(case, gpu_run(case, kv_chunk=16, attention_kernel="mla_kv", arch=arch), f"{batch} {arch}")
+
+
+@GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dims,heads,lens,kv_chunk,max_prefix_len", [
     ("glm", 20, ([4096], [4096]), 8192, 0),
@@ -341,3 +353,7 @@ def test_gpu_rejects_what_the_kernel_cannot_take():
     wide = make_case(EXTEND, 3, (256, 264), torch.float16, device="cuda")
     with pytest.raises(ValueError, match="attention_kernel: flash needs"):
         wide.run(attention_kernel="flash")
+    with pytest.raises(ValueError, match="attention_kernel: the mla_kv kernel takes"):
+        case.run(attention_kernel="mla_kv")
+    with pytest.raises(ValueError, match="arch: picks the variant"):
+        case.run(attention_kernel="flash", arch="sm70")

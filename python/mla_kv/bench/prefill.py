@@ -17,9 +17,18 @@ DeepSeek (nope 128, v 128). Both routes compute the same attention; their relati
 printed as a check. Each case packs B sequences, B = max(1, 16K / kv_len).
 Usage: mla-kv bench prefill [--quick] [--json FILE] [--plot FILE]
 (or python bench/bench_prefill.py ... in a source tree)
+
+--routes [--arch TAG] [--table FILE] measures the route chooser's table instead (mla_kv.routes): both
+routes end to end (absorbed: absorb_q, prefill, project_out; expanded: prefill_expanded), graph-timed,
+over q_len x cached prefix x {GLM H=20, DeepSeek H=16 and 128} for the absorbed kernel of TAG and the
+expanded route's kernel on this GPU (the own Sm70 / Sm75 kernel for those tags, fp16; else torch's flash
+kernel, bf16), and merges the TAG grid into FILE (the package's prefill_routes.json when it is given so).
+The Sm70 / Sm75 tags run a smaller grid: on a newer GPU their mma instructions are emulated, slowly.
 """
 from __future__ import annotations
 
+import datetime
+import json
 import math
 import statistics
 import sys
@@ -30,6 +39,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 import mla_kv
+from mla_kv import routes
 from mla_kv.bench import common
 from mla_kv.weights import absorb_q, project_out, split_kv_b_proj
 
@@ -59,6 +69,92 @@ def timed(fn, graph: bool) -> float:
     samples = 5 if estimate > 0.02 else 11
     timer = common.time_graph if graph else common.time_eager
     return timer(fn, 1, calls=calls, samples=samples, warmup=1)
+
+
+def route_case(q_len, prefix, heads, dtype, arch, gen) -> dict:
+    """Both routes end to end for one chunk of q_len new tokens over `prefix` cached ones, each sequence
+    of a batch that fills TOKENS_PER_CASE new tokens (at most 16 sequences)."""
+    model, nope, v_dim = MODELS[heads]
+    kv_len = prefix + q_len
+    batch = max(1, min(16, TOKENS_PER_CASE // q_len))
+    t_q = batch * q_len
+    scale = 1 / math.sqrt(nope + 64)
+    blocks_per_seq = -(-kv_len // PAGE)
+    cache = torch.randn(batch * blocks_per_seq, PAGE, 576, device="cuda", dtype=dtype, generator=gen)
+    table = torch.randperm(batch * blocks_per_seq, device="cuda", generator=gen).int().view(batch, blocks_per_seq)
+    cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+    kv_lens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+    q = torch.randn(t_q, heads, nope + 64, device="cuda", dtype=dtype, generator=gen)
+    w_kv_b = torch.randn(heads * (nope + v_dim), 512, device="cuda", dtype=dtype, generator=gen) / math.sqrt(512)
+    w_uk, w_uv = (w.contiguous() for w in split_kv_b_proj(w_kv_b, heads, nope, v_dim))
+    schedule = mla_kv.attention_schedule(batch, q_len, heads, blocks_per_seq * PAGE, total_q_tokens=t_q, arch=arch)
+    workspace = torch.empty(max(schedule.workspace_bytes, 16), dtype=torch.uint8, device="cuda")
+    o_lat = torch.empty(t_q, heads, 512, device="cuda", dtype=dtype)
+    lse = torch.empty(t_q, heads, device="cuda")
+
+    def absorbed(i):
+        q_lat = torch.cat([absorb_q(q[..., :nope], w_uk), q[..., nope:]], dim=-1)
+        o = mla_kv.prefill(q_lat, cache, table, cu_q, kv_lens, scale, out=o_lat, lse=lse, workspace=workspace,
+                           schedule=schedule, arch=arch)[0]
+        return project_out(o, w_uv)
+
+    bounds = dict(max_q_len=q_len, max_kv_len=kv_len, max_prefix_len=prefix)
+    op_ws = torch.empty(mla_kv.prefill_expanded_workspace_size(t_q, batch, heads, nope, v_dim, dtype=dtype, **{
+        k: v for k, v in bounds.items() if k != "max_q_len"}), dtype=torch.uint8, device="cuda")
+    op_out = torch.empty(t_q, heads, v_dim, device="cuda", dtype=dtype)
+    op_lse = torch.empty(t_q, heads, device="cuda")
+    own = arch in ("sm70", "sm75")
+
+    def expanded(i):
+        return mla_kv.prefill_expanded(q, cache, table, cu_q, kv_lens, w_uk, w_uv, scale, out=op_out, lse=op_lse,
+                                       workspace=op_ws, arch=arch if own else None, **bounds)[0]
+
+    want = absorbed(0).float()
+    diff = ((expanded(0).float() - want).norm() / want.norm()).item()
+    t_abs, t_exp = timed(absorbed, graph=True), timed(expanded, graph=True)
+    return {"tag": arch, "model": model, "d_nope": nope, "d_v": v_dim, "H": heads, "B": batch, "q_len": q_len,
+            "prefix": prefix, "absorbed_ms": t_abs * 1e3, "expanded_ms": t_exp * 1e3,
+            "expanded/absorbed": t_exp / t_abs, "winner": "absorbed" if t_abs <= t_exp else "expanded",
+            "flop rule": routes.flop_rule(q_len, prefix, nope, v_dim), "rel_diff": diff}
+
+
+ROUTE_GRIDS = {  # (q_lens, prefixes, head counts): the mma.sync tags of newer GPUs, and the emulated ones
+    "native": ((128, 512, 2048, 8192), (0, 2048, 16384, 65536), (20, 16, 128)),
+    "emulated": ((128, 512, 2048), (0, 2048, 16384), (20, 16)),
+}
+
+
+def routes_main(args) -> int:
+    arch = args.arch or common.kernel_arch(torch.float16).name
+    emulated = arch in ("sm70", "sm75") and torch.cuda.get_device_capability() >= (8, 0)
+    q_lens, prefixes, head_counts = ROUTE_GRIDS["emulated" if emulated else "native"]
+    dtype = torch.float16 if arch in ("sm70", "sm75") else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for heads in head_counts:
+        for q_len in q_lens:
+            for prefix in prefixes:
+                rows.append(route_case(q_len, prefix, heads, dtype, arch, gen))
+                torch.cuda.empty_cache()
+    common.print_table(rows, ["tag", "model", "H", "B", "q_len", "prefix", "absorbed_ms", "expanded_ms",
+                              "expanded/absorbed", "winner", "flop rule", "rel_diff"])
+    agree = sum(r["winner"] == r["flop rule"] for r in rows)
+    print(f"the FLOP rule picks the faster route in {agree} of {len(rows)} cases")
+    common.write_json(args.json, {"device": common.device_info(), "rows": rows})
+    if args.table:
+        try:
+            with open(args.table) as f:
+                table = json.load(f)
+        except FileNotFoundError:
+            table = {"tags": {}, "measured": {}}
+        table["tags"][arch] = routes.grid_from_rows(rows)
+        table["measured"][arch] = (f"{datetime.date.today()}, {common.device_info()['gpu']}, "
+                                   f"mla-kv bench prefill --routes --arch {arch}")
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote the {arch} grid to {args.table}")
+    return 0
 
 
 def run_case(label, q_len, kv_len, heads, dtype, gen):
@@ -167,9 +263,16 @@ def recommendation(rows) -> str:
 
 
 def main(argv=None, prog=None):
-    args = common.parse(common.parser(__doc__, prog), argv, prog or "bench_prefill")
+    ap = common.parser(__doc__, prog)
+    ap.add_argument("--routes", action="store_true", help="measure the route chooser's table instead")
+    ap.add_argument("--arch", default=None, choices=("sm70", "sm75", "sm80", "sm90"),
+                    help="--routes: the absorbed kernel's variant (default: the GPU's best)")
+    ap.add_argument("--table", default="", metavar="FILE", help="--routes: merge the grid into FILE")
+    args = common.parse(ap, argv, prog or "bench_prefill")
     if args is None:
         return 1
+    if args.routes:
+        return routes_main(args)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ceilings = {d: common.mma_ceiling(d) for d in (torch.float16, torch.bfloat16)}
     if args.quick:
