@@ -33,11 +33,13 @@ struct ExpandedWork {
 
 template <int kBlockM>
 __device__ __forceinline__ bool find_expanded_work(const ExpandedAttentionParams& p, ExpandedWork& w) {
-  w.h = blockIdx.x;
-  w.b = blockIdx.y;
-  // Last query rows first: under the causal mask they see the most keys, and the longest CTAs
-  // started first stay out of the grid's tail.
-  w.row0 = (gridDim.z - 1 - blockIdx.z) * kBlockM;
+  // Row blocks vary fastest, so the CTAs resident together are mostly one head's, reading the same
+  // K / V tiles (shared in L2: a CTA does only 64 FLOPs per byte it reads, which a V100's HBM alone
+  // cannot feed at full tensor rate). Last query rows first: under the causal mask they see the most
+  // keys, and the longest CTAs started first stay out of the grid's tail.
+  w.row0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+  w.h = blockIdx.y;
+  w.b = blockIdx.z;
   w.q_base = p.cu_q_lens[w.b];
   w.q_len = p.cu_q_lens[w.b + 1] - p.cu_q_lens[w.b];
   if (w.row0 >= min(w.q_len, p.max_q_len)) return false;
@@ -152,8 +154,10 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
         float s_acc[2][8] = {};
         typename Mma::FragA qa[2];
         typename Mma::FragB kb[2];
-        const T* q_slice = q_s + st_m * kQkPitch + ks * kKSlice;
-        const T* k_slice = k_s + st_n * kQkPitch + ks * kKSlice;
+        // 16-byte aligned (pitches and slices are multiples of 8 elements): said, so that the
+        // fragment loads of one row merge into 16-byte ones.
+        const T* q_slice = static_cast<const T*>(__builtin_assume_aligned(q_s + st_m * kQkPitch + ks * kKSlice, 16));
+        const T* k_slice = static_cast<const T*>(__builtin_assume_aligned(k_s + st_n * kQkPitch + ks * kKSlice, 16));
         Mma::load_a(qa[0], q_slice, kQkPitch, lane);
         Mma::load_b_nk(kb[0], k_slice, kQkPitch, lane);
 #pragma unroll
@@ -277,7 +281,7 @@ Status launch_shape(const ExpandedAttentionParams& p, cudaStream_t stream) {
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
     return Status::kCudaError;
-  const dim3 grid(p.num_heads, p.batch, (p.max_q_len + kBlockM - 1) / kBlockM);
+  const dim3 grid((p.max_q_len + kBlockM - 1) / kBlockM, p.num_heads, p.batch);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
