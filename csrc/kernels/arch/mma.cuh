@@ -7,7 +7,9 @@
 // ldmatrix). Operand fragments (FragA, FragB) are separate objects so that a kernel loads an
 // operand once and reuses it against several tiles of the other. acc_row/acc_col say where
 // accumulator element i of a lane sits in the tile, so softmax and epilogues are written once for
-// all tags.
+// all tags. An A operand (load_a) keeps its row r at shared-memory row a_row(r), which writers of A
+// tiles (Q, P) use too: the identity on Sm75 / Sm80, whose ldmatrix reads are conflict-free; on Sm70
+// rows 4-7 and 8-11 of every 16 trade places (see there).
 #pragma once
 
 #include <cstdint>
@@ -74,6 +76,7 @@ struct Sm8xFragments {
   }
   __device__ __forceinline__ static int acc_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
   __device__ __forceinline__ static int acc_col(int lane, int i) { return (i >> 2) * 8 + 2 * (lane & 3) + (i & 1); }
+  __device__ __forceinline__ static int a_row(int r) { return r; }
 };
 
 template <class T>
@@ -145,8 +148,13 @@ struct WarpMma16<Sm70, __half> {
       r[k][1] = v.y;
     }
   }
+  // The 8 lanes of one shared-memory phase read A rows 0-3 and 8-11 of a 16-row block (quad-pairs 0
+  // and 1); rows r and r + 8 of a pitch that is an odd multiple of 16 bytes share banks, rows 0-7 do
+  // not. Storing rows 8-11 where rows 4-7 would be (bits 2 and 3 of the row swapped) makes those
+  // 8 reads conflict-free.
+  __device__ __forceinline__ static int a_row(int r) { return r ^ ((((r >> 2) ^ (r >> 3)) & 1) * 12); }
   __device__ __forceinline__ static void load_a(FragA& f, const __half* s, int ld, int lane) {
-    load_k_run(f.r, s + ((quad_pair(lane) & 1) * 8 + own_index(lane)) * ld);
+    load_k_run(f.r, s + a_row((quad_pair(lane) & 1) * 8 + own_index(lane)) * ld);
   }
   __device__ __forceinline__ static void load_b_nk(FragB& f, const __half* s, int ld, int lane) {
     load_k_run(f.r, s + ((quad_pair(lane) >> 1) * 8 + own_index(lane)) * ld);

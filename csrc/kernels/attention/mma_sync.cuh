@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     constexpr SmemParts L = C::kSmem;
     constexpr bool kQuant = kFormat != KvFormat::kNone, kTrailer = kFormat == KvFormat::kInt8 || kFormat == KvFormat::kInt4;
     static_assert(!kQuant || C::kStages == 1, "a quantized tile is dequantized from registers");
+    static_assert(!C::kProbsInScores || A::kArch != Arch::kSm70, "P over the partials needs a_row(r) == r");
     constexpr int kBlockM = C::kBlockM, kBlockN = C::kN, kStages = C::kStages, kRowsPerWarp = C::kRowsPerWarp;
     constexpr int kScorePitch = C::kScorePitch, kProbPitch = C::kProbPitch;
     using Mma = arch::WarpMma16<A, T>;
@@ -78,10 +79,10 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rows_here = min(kBlockM, w.q_len * p.num_heads - w.row0);
 
-    // Q rows -> smem (zero rows past the sequence's last row).
+    // Q rows -> smem at their A-operand rows (mma.cuh), zero rows past the sequence's last row.
     for (int v = tid; v < kBlockM * kVecsPerRow; v += kThreads) {
       const int r = v / kVecsPerRow, c = v - r * kVecsPerRow;
-      *reinterpret_cast<int4*>(q_s + r * kPitch + c * 8) = q_vector<T>(p, w, r, c, rows_here);
+      *reinterpret_cast<int4*>(q_s + Mma::a_row(r) * kPitch + c * 8) = q_vector<T>(p, w, r, c, rows_here);
     }
 
     // Tile loads: lane r finds the addresses of tile rows r (and r + 32 in 64-row tiles), one
@@ -296,10 +297,11 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
           tile_sum += pr;
           pv.v[c] = arch::from_float<T>(pr);
         }
-        // P over the partials (Turing's tile): row r's P overwrites only row r's partials, which the
-        // warp's own lanes read above; the warp barrier orders those reads before these stores.
+        // P over the partials (Turing's tile, where a_row is the identity): row r's P overwrites only
+        // row r's partials, which the warp's own lanes read above; the warp barrier orders those reads
+        // before these stores.
         if constexpr (C::kProbsInScores) __syncwarp();
-        arch::store<T, kRowCols>(prob_s + my_row * kProbPitch + my_col0, pv);
+        arch::store<T, kRowCols>(prob_s + Mma::a_row(my_row) * kProbPitch + my_col0, pv);
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
         row_sum = row_sum * alpha + tile_sum;

@@ -77,13 +77,13 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
     const T* k = static_cast<const T*>(p.k) + w.k_base * p.k_stride_t + int64_t(w.h) * p.k_stride_h;
     const T* v = static_cast<const T*>(p.v) + w.k_base * p.v_stride_t + int64_t(w.h) * p.v_stride_h;
 
-    // Q rows -> smem, zero rows past the CTA's last query.
+    // Q rows -> smem at their A-operand rows (mma.cuh), zero rows past the CTA's last query.
     constexpr int kQkVecs = kDqk / 8, kVVecs = kDv / 8;
     for (int i = tid; i < kBlockM * kQkVecs; i += kThreads) {
       const int r = i / kQkVecs, c = (i - r * kQkVecs) * 8;
       int4 x = make_int4(0, 0, 0, 0);
       if (r < w.rows) x = *reinterpret_cast<const int4*>(q + int64_t(w.row0 + r) * p.q_stride_t + c);
-      *reinterpret_cast<int4*>(q_s + r * kQkPitch + c) = x;
+      *reinterpret_cast<int4*>(q_s + Mma::a_row(r) * kQkPitch + c) = x;
     }
 
     // Tile loads: thread tid moves 16-byte vectors tid, tid + 256, ... of the tile's K rows, then its
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
           tile_sum += pr;
           pv.v[c] = arch::from_float<T>(pr);
         }
-        arch::store<T, kRowCols>(prob_s + my_row * kProbPitch + my_col0, pv);
+        arch::store<T, kRowCols>(prob_s + Mma::a_row(my_row) * kProbPitch + my_col0, pv);
 #pragma unroll
         for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
         row_sum = row_sum * alpha + tile_sum;
