@@ -44,7 +44,7 @@ ExpandedTiles expanded_attention_tiles(Arch tag, int head_dim_qk, int head_dim_v
   if (!expanded_attention_supported(tag, head_dim_qk, head_dim_v, DType::kFloat16)) return {};
   const SmemLimits l = effective_smem_limits(limits);
   for (int block_m = block_m_for(tag, head_dim_qk, head_dim_v); block_m >= 32; block_m /= 2) {
-    const int bytes = int(expanded_smem({head_dim_qk, head_dim_v, block_m}).total());
+    const int bytes = int(expanded_smem(shape_for(tag, head_dim_qk, head_dim_v, block_m)).total());
     if (bytes <= l.per_block && bytes + l.reserved_per_block <= l.per_sm) return {block_m, kBlockN, bytes};
   }
   return {};

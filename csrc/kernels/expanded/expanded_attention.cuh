@@ -3,8 +3,8 @@
 // one (sequence, head); each tile of 32 keys is read from memory once into shared memory, K and V
 // side by side, and serves all block_m queries.
 //
-// Per tile: S = Q.K^T on tensor cores (8 warps, one 16 x 16 score tile each, or two warps splitting
-// d_qk when block_m is 32) -> online softmax in fp32 (log2 domain; threads that share a row hold
+// Per tile: S = Q.K^T on tensor cores (8 warps, each one or two 16 x 16 score tiles over a slice of
+// d_qk, expanded_tiles.h) -> online softmax in fp32 (log2 domain; threads that share a row hold
 // consecutive columns) -> P in fp16 -> O += P.V, warp w owning columns [w d_v / 8, (w + 1) d_v / 8)
 // of every row. The next tile is staged in registers while this one is computed (neither Volta nor
 // Turing has cp.async).
@@ -55,10 +55,10 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
   if constexpr (arch::target_supports<A>()) {
     using T = __half;
     using Mma = arch::WarpMma16<A, T>;
-    constexpr ExpandedShape kShape{kDqk, kDv, kBlockM};
+    constexpr ExpandedShape kShape = shape_for(A::kArch, kDqk, kDv, kBlockM);
     constexpr ExpandedSmem L = expanded_smem(kShape);
     constexpr int kQkPitch = kDqk + kPad, kVPitch = kDv + kPad, kScorePitch = score_pitch(), kProbPitch = prob_pitch();
-    constexpr int kSplitK = split_k(kShape), kKSlice = kDqk / kSplitK;
+    constexpr int kSplitK = split_k(kShape), kKSlice = kDqk / kSplitK, kQkTilesN = kShape.qk_tiles_n;
     constexpr int kTilesM = kBlockM / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
@@ -139,9 +139,10 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[mt][nt][i] = 0.f;
 
-    // This warp's score tile and its slice of the d_qk contraction.
-    const int tile = warp % score_tiles(kShape), ks = warp / score_tiles(kShape);
-    const int st_m = (tile / 2) * 16, st_n = (tile % 2) * 16;
+    // This warp's score tiles and its slice of the d_qk contraction.
+    constexpr int kGroupsN = kBlockN / 16 / kQkTilesN;
+    const int group = warp % score_groups(kShape), ks = warp / score_groups(kShape);
+    const int st_m = (group / kGroupsN) * 16, st_n = (group % kGroupsN) * 16 * kQkTilesN;
 
     issue(0);
     for (int j0 = 0; j0 < w.kv_hi; j0 += kBlockN) {
@@ -149,30 +150,37 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
       __syncthreads();  // this tile (and, first time, Q) visible to every warp
       if (j0 + kBlockN < w.kv_hi) issue(j0 + kBlockN);
 
-      {  // S partial over this warp's slice: two accumulator sets (even / odd k steps) halve the
-         // chain of dependent mma; the next step's fragments load during this step's mma.
-        float s_acc[2][8] = {};
+      {  // S partial over this warp's slice; the next step's fragments load during this step's mma.
+        // A one-tile warp keeps two accumulator sets (even / odd k steps): half as long chains of
+        // dependent mma; two tiles are independent chains already.
+        constexpr int kAccSets = kQkTilesN == 1 ? 2 : 1;
+        float s_acc[kAccSets][kQkTilesN][8] = {};
         typename Mma::FragA qa[2];
-        typename Mma::FragB kb[2];
+        typename Mma::FragB kb[2][kQkTilesN];
         // 16-byte aligned (pitches and slices are multiples of 8 elements): said, so that the
         // fragment loads of one row merge into 16-byte ones.
         const T* q_slice = static_cast<const T*>(__builtin_assume_aligned(q_s + st_m * kQkPitch + ks * kKSlice, 16));
         const T* k_slice = static_cast<const T*>(__builtin_assume_aligned(k_s + st_n * kQkPitch + ks * kKSlice, 16));
-        Mma::load_a(qa[0], q_slice, kQkPitch, lane);
-        Mma::load_b_nk(kb[0], k_slice, kQkPitch, lane);
+        auto load = [&](int buf, int kk) MLA_KV_INLINE_LAMBDA {
+          Mma::load_a(qa[buf], q_slice + kk, kQkPitch, lane);
+#pragma unroll
+          for (int j = 0; j < kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kQkPitch + kk, kQkPitch, lane);
+        };
+        load(0, 0);
 #pragma unroll
         for (int kk = 0; kk < kKSlice; kk += 16) {
           const int buf = (kk / 16) & 1;
-          if (kk + 16 < kKSlice) {
-            Mma::load_a(qa[buf ^ 1], q_slice + kk + 16, kQkPitch, lane);
-            Mma::load_b_nk(kb[buf ^ 1], k_slice + kk + 16, kQkPitch, lane);
-          }
-          Mma::mma(s_acc[buf], qa[buf], kb[buf]);
+          if (kk + 16 < kKSlice) load(buf ^ 1, kk + 16);
+#pragma unroll
+          for (int j = 0; j < kQkTilesN; ++j) Mma::mma(s_acc[buf % kAccSets][j], qa[buf], kb[buf][j]);
         }
         float* out_s = score_s + ks * kBlockM * kScorePitch;
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          out_s[(st_m + Mma::acc_row(lane, e)) * kScorePitch + st_n + Mma::acc_col(lane, e)] = s_acc[0][e] + s_acc[1][e];
+        for (int j = 0; j < kQkTilesN; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            out_s[(st_m + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
+                s_acc[0][j][e] + (kAccSets > 1 ? s_acc[kAccSets - 1][j][e] : 0.f);
       }
       __syncthreads();
 
@@ -277,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
 template <class A, int kDqk, int kDv, int kBlockM>
 Status launch_shape(const ExpandedAttentionParams& p, cudaStream_t stream) {
   const auto kernel = expanded_attention_kernel<A, kDqk, kDv, kBlockM>;
-  constexpr size_t smem = expanded_smem({kDqk, kDv, kBlockM}).total();
+  constexpr size_t smem = expanded_smem(shape_for(A::kArch, kDqk, kDv, kBlockM)).total();
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
     return Status::kCudaError;

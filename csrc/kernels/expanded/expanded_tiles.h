@@ -18,12 +18,14 @@ constexpr int kPad = 8;      // row padding (elements): 16-byte rows shift 4 ban
 struct ExpandedShape {
   int d_qk, d_v;   // head dims
   int block_m;     // query rows (tokens of one head) per CTA: 64, or 32
+  int qk_tiles_n;  // 16 x 16 score tiles a warp computes side by side (1 or 2; see qk_tiles_n_for)
 };
 
-// The warp tiling of S = Q.K^T: (block_m / 16) x 2 score tiles of 16 x 16, one per group of
-// split_k warps, each warp contracting 1 / split_k of d_qk; the slices meet in shared memory.
-constexpr int score_tiles(const ExpandedShape& s) { return s.block_m / 16 * (kBlockN / 16); }
-constexpr int split_k(const ExpandedShape& s) { return kWarps / score_tiles(s); }
+// The warp tiling of S = Q.K^T: (block_m / 16) x 2 score tiles of 16 x 16 in groups of qk_tiles_n
+// side by side, each group computed by split_k warps contracting 1 / split_k of d_qk each; the
+// slices meet in shared memory.
+constexpr int score_groups(const ExpandedShape& s) { return s.block_m / 16 * (kBlockN / 16 / s.qk_tiles_n); }
+constexpr int split_k(const ExpandedShape& s) { return kWarps / score_groups(s); }
 constexpr int score_pitch() { return kBlockN + 4; }  // fp32
 constexpr int prob_pitch() { return kBlockN + kPad; }
 
@@ -46,14 +48,26 @@ constexpr SmemLimits serves(Arch tag) { return tag == Arch::kSm70 ? kSmemV100 : 
 // (each K / V tile then serves twice the queries), else 32. A launch takes a lower height where the
 // device (or the limits the caller imposes) cannot hold it.
 constexpr int block_m_for(Arch tag, int d_qk, int d_v) {
-  return expanded_smem({d_qk, d_v, 64}).total() <= size_t(serves(tag).per_block) ? 64 : 32;
+  return expanded_smem({d_qk, d_v, 64, 1}).total() <= size_t(serves(tag).per_block) ? 64 : 32;
+}
+
+// Two score tiles per warp where the tag's smallest GPU holds the partials of the deeper d_qk split
+// this implies: each Q fragment then feeds two mma, which halves Q's shared-memory reads in Q.K^T
+// (the Sm70 kernel is bound by shared-memory bandwidth on a V100, bench/RESULTS.md). The lower
+// height, for devices (or imposed limits) below the tag's smallest GPU, keeps the smallest footprint.
+constexpr int qk_tiles_n_for(Arch tag, int d_qk, int d_v, int block_m) {
+  const bool fits = expanded_smem({d_qk, d_v, block_m, 2}).total() <= size_t(serves(tag).per_block);
+  return block_m == block_m_for(tag, d_qk, d_v) && fits ? 2 : 1;
+}
+constexpr ExpandedShape shape_for(Arch tag, int d_qk, int d_v, int block_m) {
+  return {d_qk, d_v, block_m, qk_tiles_n_for(tag, d_qk, d_v, block_m)};
 }
 
 template <Arch kTag, int kDqk, int kDv>
 constexpr bool shapes_fit_their_gpus() {
   for (int block_m = block_m_for(kTag, kDqk, kDv); block_m >= 32; block_m /= 2) {
-    const ExpandedShape s{kDqk, kDv, block_m};
-    const bool tiling_ok = kWarps % score_tiles(s) == 0 && (kDqk / 16) % split_k(s) == 0 &&
+    const ExpandedShape s = shape_for(kTag, kDqk, kDv, block_m);
+    const bool tiling_ok = kWarps % score_groups(s) == 0 && (kDqk / 16) % split_k(s) == 0 &&
                            kDv % (16 * kWarps) == 0 && kThreads % block_m == 0;
     if (!tiling_ok || expanded_smem(s).total() > size_t(serves(kTag).per_block)) return false;
   }
