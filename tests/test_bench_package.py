@@ -28,7 +28,7 @@ OPTIONS = {
     "write": ["--quick", "--json", "--plot", "--heads-q", "--kv-formats"],
     "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only"],
     "gather": ["--quick", "--json", "--plot"],
-    "prefill": ["--quick", "--json", "--plot", "--routes", "--arch", "--table"],
+    "prefill": ["--quick", "--json", "--plot", "--routes", "--arch", "--table", "--check"],
     "expanded": ["--quick", "--json", "--plot"],
     "cp": ["--quick", "--json", "--gpus", "--part"],
     "profile_decode": ["--times"],

@@ -119,3 +119,26 @@ def test_bench_routes_merges_its_grid_into_the_table(monkeypatch, tmp_path, caps
     assert routes.choose_prefill_route(512, 512, 16, 128, 128, arch="sm80", table=merged) == "expanded"
     assert routes.choose_prefill_route(128, 2176, 16, 128, 128, arch="sm80", table=merged) == "absorbed"
     assert "wrote the sm80 grid" in capsys.readouterr().out
+
+
+def test_bench_routes_check_reports_the_picks_loss(monkeypatch, capsys):
+    """--routes --check: each point's pick (the chooser over the package table) and how much slower than
+    the faster route it is."""
+    monkeypatch.setattr(bench_prefill, "ROUTE_GRIDS", {"check": ((256, 4096), (1024,), (16,))})
+    times = {256: (1.0, 1.5), 4096: (4.0, 2.0)}  # (absorbed, expanded) ms
+
+    def fake_case(q, p, h, dtype, arch, gen):
+        t_abs, t_exp = times[q]
+        return dict(_row(arch, h, q, p, t_exp), absorbed_ms=t_abs, model="m", B=1, **{
+            "winner": "absorbed" if t_abs <= t_exp else "expanded", "flop rule": "-"})
+    monkeypatch.setattr(bench_prefill, "route_case", fake_case)
+    monkeypatch.setattr(bench_prefill.routes, "choose_prefill_route", lambda *a, **k: "expanded")
+    monkeypatch.setattr(common, "kernels_present", lambda name: True)
+    monkeypatch.setattr(common, "device_info", lambda: {"gpu": "Fake GPU"})
+    cpu_generator = bench_prefill.torch.Generator
+    monkeypatch.setattr(bench_prefill.torch, "Generator", lambda device=None: cpu_generator())
+    monkeypatch.setattr(bench_prefill.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_prefill.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert bench_prefill.main(["--routes", "--check", "--arch", "sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "the faster route in 1 of 2 points; worst 50.0% slower (H=16 q=256 prefix=1024); within 5% at 1" in out

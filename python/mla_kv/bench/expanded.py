@@ -11,6 +11,9 @@ Sm75), "x mem-eff" torch's memory-efficient kernel's time over the row's. The fl
 where torch has one (sm80+), with V zero-padded to d_qk at DeepSeek dims (it takes one head dim).
 Ceilings: the Sm70 / Sm75 / Sm80 mma.sync and Sm90 wgmma rates; torch's kernels use m16n8k16 (Sm80).
 "rel_diff": each row's out against the memory-efficient kernel's (a check, not a tolerance).
+"prefill_expanded (K)": the whole expanded route from the latent cache (gather_kv, the up-projection
+GEMMs, kernel K on the new tokens and on each prefix chunk, the merges), "op overhead %" what it adds to
+K alone over the same keys.
 Usage: mla-kv bench expanded [--quick] [--json FILE] [--plot FILE]
 """
 from __future__ import annotations
@@ -62,6 +65,7 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
 
     expanded_flops = 2 * (d_qk + d_v)
     row("torch mem-efficient", "sm80", t_mem, expanded_flops, ceilings["sm80"], want)
+    flash_s = {}
     if torch.cuda.get_device_capability() >= (8, 0):
         width = max(d_qk, d_v)
         pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
@@ -70,7 +74,8 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
         def flash(i):
             return torch.ops.aten._flash_attention_forward(qf, kf, vf, cu_q, cu_k, q_len, kv_len, 0.0, True, False,
                                                            scale=scale)[0]
-        row("torch flash", "sm80", timed(flash, graph=True), expanded_flops, ceilings["sm80"], flash(0)[..., :d_v])
+        flash_s["flash"] = timed(flash, graph=True)
+        row("torch flash", "sm80", flash_s["flash"], expanded_flops, ceilings["sm80"], flash(0)[..., :d_v])
 
     # The absorbed kernel over a latent cache with the same attention shape (its own random data: the
     # time, not the values, is compared).
@@ -93,13 +98,34 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
         row("mla_kv absorbed", tag, absorbed[tag], ABSORBED_FLOPS_PER_PAIR, ceilings[tag], None)
     out = torch.empty(t_q, heads, d_v, device="cuda", dtype=dtype)
     lse = torch.empty(t_q, heads, device="cuda")
+    kernel_s = {}
     for tag in ("sm70", "sm75"):
         def own(i, tag=tag):
             return mla_kv.expanded_attention(q, k, v, cu_q, cu_k, scale, causal=True, max_q_len=q_len, out=out,
                                              lse=lse, arch=tag)[0]
         out.fill_(float("nan"))
         got = own(0).clone()
-        row("mla_kv expanded", tag, timed(own, graph=True), expanded_flops, ceilings[tag], got, absorbed[tag])
+        kernel_s[tag] = timed(own, graph=True)
+        row("mla_kv expanded", tag, kernel_s[tag], expanded_flops, ceilings[tag], got, absorbed[tag])
+
+    # The whole expanded route from the latent cache (prefill_expanded: gather, up-projections, the
+    # attention, merges), on the own Sm75 kernel and on flash: "op overhead %" is what it adds to that
+    # kernel alone.
+    w_uk = torch.randn(heads, nope, 512, device="cuda", dtype=dtype, generator=gen) / 512 ** 0.5
+    w_uv = torch.randn(heads, d_v, 512, device="cuda", dtype=dtype, generator=gen) / 512 ** 0.5
+    bounds = dict(max_q_len=q_len, max_kv_len=kv_len, max_prefix_len=kv_len - q_len)
+    op_ws = torch.empty(mla_kv.prefill_expanded_workspace_size(t_q, batch, heads, nope, d_v, dtype=dtype, **{
+        n: b for n, b in bounds.items() if n != "max_q_len"}), dtype=torch.uint8, device="cuda")
+    kernels = [("sm75", "mla_kv", "sm75")] + ([("flash", "flash", None)] if "flash" in flash_s else [])
+    for name, kernel, arch in kernels:
+        def op(i, kernel=kernel, arch=arch):
+            return mla_kv.prefill_expanded(q, cache, table, cu_q, kv_lens, w_uk, w_uv, scale, out=out, lse=lse,
+                                           workspace=op_ws, attention_kernel=kernel, arch=arch, **bounds)[0]
+        seconds = timed(op, graph=True)
+        alone = kernel_s.get(name, flash_s.get(name))
+        row(f"prefill_expanded ({name})", arch or "sm80", seconds, expanded_flops, ceilings[arch or "sm80"], None,
+            absorbed.get(arch or "sm80"))
+        rows[-1]["op overhead %"] = 100 * (seconds / alone - 1)
     return rows
 
 
@@ -123,7 +149,7 @@ def main(argv=None, prog=None):
         torch.cuda.empty_cache()
     print("tensor-core ceilings (fp16): " + ", ".join(f"{t} {v / 1e12:,.0f} TFLOP/s" for t, v in ceilings.items()))
     common.print_table(rows, ["case", "model", "H", "kernel", "tag", "ms", "TFLOP/s", "% mma", "x absorbed",
-                              "x mem-eff", "rel_diff"])
+                              "x mem-eff", "rel_diff", "op overhead %"])
     common.write_json(args.json, {"device": common.device_info(),
                                   "mma_TFLOPs": {t: v / 1e12 for t, v in ceilings.items()}, "rows": rows})
     common.write_plot(args.plot, f"prefill attention, both routes, on {common.device_info()['gpu']}", rows,

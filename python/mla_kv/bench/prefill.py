@@ -24,6 +24,8 @@ over q_len x cached prefix x {GLM H=20, DeepSeek H=16 and 128} for the absorbed 
 expanded route's kernel on this GPU (the own Sm70 / Sm75 kernel for those tags, fp16; else torch's flash
 kernel, bf16), and merges the TAG grid into FILE (the package's prefill_routes.json when it is given so).
 The Sm70 / Sm75 tags run a smaller grid: on a newer GPU their mma instructions are emulated, slowly.
+--routes --check times both routes at points between the table's (and at H=64, which it lacks) and
+reports how much slower than the faster one choose_prefill_route's pick is.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ from mla_kv.weights import absorb_q, project_out, split_kv_b_proj
 
 PAGE = 64
 TOKENS_PER_CASE = 16384
-MODELS = {16: ("DeepSeek", 128, 128), 20: ("GLM-4.7-Flash", 192, 256), 128: ("DeepSeek", 128, 128)}
+MODELS = {16: ("DeepSeek", 128, 128), 20: ("GLM-4.7-Flash", 192, 256), 64: ("DeepSeek", 128, 128),
+          128: ("DeepSeek", 128, 128)}
 FLOPS_PER_PAIR = 2176
 TARGET = (128, 8192, torch.bfloat16, 250.0)  # H, q = kv, dtype, TFLOP/s (issue 4)
 
@@ -121,12 +124,17 @@ def route_case(q_len, prefix, heads, dtype, arch, gen) -> dict:
 ROUTE_GRIDS = {  # (q_lens, prefixes, head counts): the mma.sync tags of newer GPUs, and the emulated ones
     "native": ((128, 512, 2048, 8192), (0, 2048, 16384, 65536), (20, 16, 128)),
     "emulated": ((128, 512, 2048), (0, 2048, 16384), (20, 16)),
+    # --routes --check: points between the table's (and H=64, which it lacks), where the chooser
+    # interpolates
+    "check": ((256, 1024, 4096), (1024, 8192, 32768), (20, 16, 64, 128)),
 }
 
 
 def routes_main(args) -> int:
     arch = args.arch or common.kernel_arch(torch.float16).name
     emulated = arch in ("sm70", "sm75") and torch.cuda.get_device_capability() >= (8, 0)
+    if args.check:
+        return routes_check(arch, torch.float16 if arch in ("sm70", "sm75") else torch.bfloat16, args)
     q_lens, prefixes, head_counts = ROUTE_GRIDS["emulated" if emulated else "native"]
     dtype = torch.float16 if arch in ("sm70", "sm75") else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -154,6 +162,31 @@ def routes_main(args) -> int:
             json.dump(table, f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"wrote the {arch} grid to {args.table}")
+    return 0
+
+
+def routes_check(arch, dtype, args) -> int:
+    """Both routes at the "check" grid's points against choose_prefill_route's pick (the package table):
+    how much slower than the faster route the pick is."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q_lens, prefixes, head_counts = ROUTE_GRIDS["check"]
+    rows = []
+    for heads in head_counts:
+        for q_len in q_lens:
+            for prefix in prefixes:
+                r = route_case(q_len, prefix, heads, dtype, arch, gen)
+                pick = routes.choose_prefill_route(q_len, q_len + prefix, heads, r["d_nope"], r["d_v"], arch=arch)
+                r["pick"] = pick
+                r["pick loss %"] = 100 * (r[f"{pick}_ms"] / min(r["absorbed_ms"], r["expanded_ms"]) - 1)
+                rows.append(r)
+                torch.cuda.empty_cache()
+    common.print_table(rows, ["tag", "model", "H", "B", "q_len", "prefix", "absorbed_ms", "expanded_ms", "winner",
+                              "pick", "pick loss %", "flop rule"])
+    worst = max(rows, key=lambda r: r["pick loss %"])
+    print(f"choose_prefill_route: the faster route in {sum(r['pick'] == r['winner'] for r in rows)} of {len(rows)} "
+          f"points; worst {worst['pick loss %']:.1f}% slower (H={worst['H']} q={worst['q_len']} "
+          f"prefix={worst['prefix']}); within 5% at {sum(r['pick loss %'] <= 5 for r in rows)}")
+    common.write_json(args.json, {"device": common.device_info(), "rows": rows})
     return 0
 
 
@@ -268,6 +301,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--arch", default=None, choices=("sm70", "sm75", "sm80", "sm90"),
                     help="--routes: the absorbed kernel's variant (default: the GPU's best)")
     ap.add_argument("--table", default="", metavar="FILE", help="--routes: merge the grid into FILE")
+    ap.add_argument("--check", action="store_true",
+                    help="--routes: time both routes between the table's points against choose_prefill_route")
     args = common.parse(ap, argv, prog or "bench_prefill")
     if args is None:
         return 1

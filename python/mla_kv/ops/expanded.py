@@ -68,14 +68,15 @@ def _num_chunks(prefix_bound: int, kv_chunk: int) -> int:
 def _workspace_parts(tokens, batch, heads, d_nope, d_v, prefix_bound, kv_chunk, dtype):
     """(name, shape, dtype) of each workspace part. The gathered rows and their up-projections serve the
     new part (at most `tokens` rows) and then each prefix chunk (at most batch x chunk rows) in turn.
-    "k_nope_or_v" first receives the nope half of K (copied into k beside k_pe), then V."""
+    "k_nope_or_v" first receives the nope half of K (copied into k beside k_pe), then V. The float32
+    states exist only with prefix chunks (whole prompts store the new part into out / lse)."""
     rows = max(tokens, batch * _chunk_rows(prefix_bound, kv_chunk))
-    state = _state_dtype(dtype)
+    state, merged = _state_dtype(dtype), tokens if prefix_bound > 0 else 0
     return (("rows", (rows, ROW_DIM), dtype), ("k", (rows, heads, d_nope + ROPE_DIM), dtype),
             ("k_nope_or_v", (rows * heads * max(d_nope, d_v),), dtype),
-            ("out_0", (tokens, heads, d_v), state), ("out_1", (tokens, heads, d_v), state),
-            ("part_out", (tokens, heads, d_v), state), ("lse_0", (tokens, heads), state),
-            ("lse_1", (tokens, heads), state), ("part_lse", (tokens, heads), state))
+            ("out_0", (merged, heads, d_v), state), ("out_1", (merged, heads, d_v), state),
+            ("part_out", (merged, heads, d_v), state), ("lse_0", (merged, heads), state),
+            ("lse_1", (merged, heads), state), ("part_lse", (merged, heads), state))
 
 
 def _part_bytes(shape, dtype) -> int:
@@ -88,7 +89,7 @@ def prefill_expanded_workspace_size(total_q_tokens: int, batch: int, num_heads: 
     """Bytes of ``workspace`` prefill_expanded needs: q's T, the batch, heads, head dims and dtype, and the
     same max_kv_len / kv_chunk / max_prefix_len as the call. Dominated by the up-projected keys and values
     of max(T, batch x min(kv_chunk, max_prefix_len)) rows: (d_nope + 64 + max(d_nope, d_v)) x heads values
-    each, plus 576 for the gathered row."""
+    each, plus 576 for the gathered row; with prefix chunks also the float32 (out, lse) states of T rows."""
     sizes = [integer(name, v, minimum) for name, v, minimum in (
         ("total_q_tokens", total_q_tokens, 0), ("batch", batch, 1), ("num_heads", num_heads, 1),
         ("d_nope", d_nope, 1), ("d_v", d_v, 1))]
@@ -477,16 +478,22 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
         k = ws["k"][:rows]
         return k, _up_project(gathered, w_uk_t, w_uv_t, k, ws["k_nope_or_v"], d_nope, d_v)
 
-    # New part: q_len rows from position kv_len - q_len; every query sees at least its own key.
+    # New part: q_len rows from position kv_len - q_len; every query sees at least its own key. Without
+    # prefix chunks (whole prompts) it is the answer: stored into out / lse directly, with no float32
+    # state to merge into (the same values: the kernel's out is in q's dtype already).
+    chunks = _num_chunks(prefix_bound, kv_chunk)
     k, v = keys(cu_q_lens, kv_lens - q_lens, tokens)
-    _store_part(*attend(q, k, v, cu_q_lens, cu_q_lens, max_q_len, max_q_len, causal, softmax_scale, at), at.live,
-                ws["out_0"], ws["lse_0"])
+    new_part = attend(q, k, v, cu_q_lens, cu_q_lens, max_q_len, max_q_len, causal, softmax_scale, at)
+    if chunks == 0:
+        _store_part(*new_part, at.live, out, lse)
+        return out, lse
+    _store_part(*new_part, at.live, ws["out_0"], ws["lse_0"])
 
     # Cached prefix, in chunks of kv_chunk positions per sequence; a sequence without queries needs none.
     prefix_lens = torch.where(q_lens > 0, kv_lens - q_lens, 0).clamp(min=0)
     chunk_rows, state = _chunk_rows(prefix_bound, kv_chunk), 0
     cu_k_lens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    for j in range(_num_chunks(prefix_bound, kv_chunk)):
+    for j in range(chunks):
         # Clamped to chunk_rows (= kv_chunk unless the bound is smaller), so that a prefix above its bound
         # (unchecked without validate) never makes the kernel read past the rows gathered.
         chunk_lens = (prefix_lens - j * kv_chunk).clamp(0, chunk_rows)
