@@ -98,6 +98,16 @@ def test_grid_from_rows_needs_a_full_grid():
         routes.grid_from_rows(rows[:-1])
 
 
+def _fake_gpu(monkeypatch, capability):
+    """What the bench's main asks of the GPU, answered on the CPU (its measurements are faked apart)."""
+    monkeypatch.setattr(common, "kernels_present", lambda name: True)
+    monkeypatch.setattr(common, "device_info", lambda: {"gpu": "Fake GPU"})
+    cpu_generator = bench_prefill.torch.Generator
+    monkeypatch.setattr(bench_prefill.torch, "Generator", lambda device=None: cpu_generator())
+    monkeypatch.setattr(bench_prefill.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_prefill.torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
 def test_bench_routes_merges_its_grid_into_the_table(monkeypatch, tmp_path, capsys):
     table = tmp_path / "routes.json"
     table.write_text(json.dumps({"tags": {"sm90": {"x": 1}}, "measured": {"sm90": "before"}}))
@@ -106,12 +116,7 @@ def test_bench_routes_merges_its_grid_into_the_table(monkeypatch, tmp_path, caps
     monkeypatch.setattr(bench_prefill, "route_case", lambda q, p, h, dtype, arch, gen: dict(
         _row(arch, h, q, p, 0.5 if q == 512 else 2.0), model="m", B=1, winner="-", **{
             "expanded/absorbed": 1.0, "flop rule": "-", "rel_diff": 0.0}))
-    monkeypatch.setattr(common, "kernels_present", lambda name: True)
-    monkeypatch.setattr(common, "device_info", lambda: {"gpu": "Fake GPU"})
-    cpu_generator = bench_prefill.torch.Generator
-    monkeypatch.setattr(bench_prefill.torch, "Generator", lambda device=None: cpu_generator())
-    monkeypatch.setattr(bench_prefill.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench_prefill.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    _fake_gpu(monkeypatch, (8, 0))
     assert bench_prefill.main(["--routes", "--arch", "sm80", "--table", str(table)]) == 0
     merged = json.loads(table.read_text())
     assert merged["tags"]["sm90"] == {"x": 1} and merged["measured"]["sm90"] == "before"
@@ -133,12 +138,7 @@ def test_bench_routes_check_reports_the_picks_loss(monkeypatch, capsys):
             "winner": "absorbed" if t_abs <= t_exp else "expanded", "flop rule": "-"})
     monkeypatch.setattr(bench_prefill, "route_case", fake_case)
     monkeypatch.setattr(bench_prefill.routes, "choose_prefill_route", lambda *a, **k: "expanded")
-    monkeypatch.setattr(common, "kernels_present", lambda name: True)
-    monkeypatch.setattr(common, "device_info", lambda: {"gpu": "Fake GPU"})
-    cpu_generator = bench_prefill.torch.Generator
-    monkeypatch.setattr(bench_prefill.torch, "Generator", lambda device=None: cpu_generator())
-    monkeypatch.setattr(bench_prefill.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench_prefill.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _fake_gpu(monkeypatch, (9, 0))
     assert bench_prefill.main(["--routes", "--check", "--arch", "sm90"]) == 0
     out = capsys.readouterr().out
     assert "the faster route in 1 of 2 points; worst 50.0% slower (H=16 q=256 prefix=1024); within 5% at 1" in out
