@@ -67,3 +67,29 @@ def test_resolve_arch_takes_sm90_on_hopper_only():
     if 90 in built:
         assert _C.resolve_arch(_C.Arch.auto, 90) == _C.Arch.sm90
         assert _C.resolve_arch(_C.Arch.sm80, 90) == _C.Arch.sm80  # the mma.sync kernel stays testable
+
+
+@pytest.mark.parametrize("tag,limits,dims,want_rows,want_bytes", [
+    ("sm70", "V100", (256, 256), 64, 91_904), ("sm70", "V100", (192, 128), 64, 71_424),
+    ("sm75", "T4 / RTX 20", (256, 256), 32, 62_848), ("sm75", "T4 / RTX 20", (192, 128), 64, 62_208),
+    ("sm75", "T4 / RTX 20", (128, 128), 64, 59_136),
+    ("sm70", "T4 / RTX 20", (256, 256), 32, 62_848),  # below its V100: the smallest-footprint height
+    ("sm70", (30_000, 30_000), (256, 256), 0, 0), ("sm75", "V100", (256, 264), 0, 0), ("sm80", "V100", (256, 256), 0, 0)])
+def test_expanded_attention_tiles_fit_each_gpu_class(tag, limits, dims, want_rows, want_bytes):
+    """The expanded-form kernel's tile plan under a GPU class's limits (no GPU needed: the limits given
+    are used as they are)."""
+    spec = gpus.smem_limits(limits)
+    tiles = _C.expanded_attention_tiles(getattr(_C.Arch, tag), *dims,
+                                        _C.SmemLimits(spec.per_block, spec.per_sm, spec.reserved_per_block))
+    assert (tiles.block_m, tiles.smem_bytes) == (want_rows, want_bytes)
+    assert tiles.smem_bytes <= spec.per_block
+
+
+def test_expanded_attention_refuses_what_it_has_no_kernel_for():
+    assert _C.expanded_attention_supported(_C.Arch.sm70, 256, 256, _C.DType.float16)
+    assert not _C.expanded_attention_supported(_C.Arch.sm75, 256, 256, _C.DType.bfloat16)
+    assert not _C.expanded_attention_supported(_C.Arch.sm80, 192, 128, _C.DType.float16)
+    p = _C.ExpandedAttentionParams()
+    p.dtype = _C.DType.bfloat16
+    with pytest.raises(RuntimeError, match="expanded_attention: dtype not supported"):
+        _C.expanded_attention(p, _C.Arch.auto, 0)
