@@ -26,8 +26,6 @@ from gpu_checks import capture_graph, check_attention, same_bytes
 GPU = pytest.mark.gpu
 # The op's own variants; arch=None (the GPU's best of them) has a test of its own below.
 ARCHS = pytest.mark.arch_variants("sm75", "sm70", bf16_needs_sm80=True)
-NEEDS_OP = pytest.mark.skipif(not hasattr(mla_kv, "expanded_attention"),
-                              reason="mla_kv.expanded_attention is not in this build yet")
 # Where the GPU tests put their tensors: a module setting, so that their logic can also be run on the CPU
 # against a stand-in for the kernel.
 DEVICE = "cuda"
@@ -369,7 +367,6 @@ def test_test_data_is_neither_uniform_nor_one_hot():
         assert float(top.max()) < 0.999, (n, m)
 
 
-@NEEDS_OP
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dims", [(192, 128), (40, 24)], ids=["192-128", "40-24"])   # any dims on the CPU
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -402,7 +399,6 @@ def _cpu_args(batch, change):
 _T, _H, _N = 11, 2, 17        # the CPU batch below: q rows (8 used), heads, k rows (12 used)
 
 
-@NEEDS_OP
 @pytest.mark.parametrize("change,error,match", [
     (lambda b: dict(q=b.q[0]), ValueError, r"^q\b"),
     (lambda b: dict(q=b.q.int()), TypeError, r"^q\b"),
@@ -425,6 +421,8 @@ _T, _H, _N = 11, 2, 17        # the CPU batch below: q rows (8 used), heads, k r
     (lambda b: dict(max_q_len=9.0), TypeError, r"^max_q_len\b"),
     (lambda b: dict(max_q_len=True), TypeError, r"^max_q_len\b"),
     (lambda b: dict(max_q_len=-1), ValueError, r"^max_q_len\b"),
+    (lambda b: dict(max_q_len=4), ValueError, r"^max_q_len: sequence 0 has 5 queries"),  # a host bound too small
+    (lambda b: dict(validate=1), TypeError, r"^validate\b"),
     (lambda b: dict(out=torch.zeros(_T, _H, 120, dtype=torch.float16)), ValueError, r"^out\b"),
     (lambda b: dict(out=torch.zeros(_T - 1, _H, 128, dtype=torch.float16)), ValueError, r"^out\b"),
     (lambda b: dict(out=torch.zeros(_T, _H, 128, dtype=torch.float32)), TypeError, r"^out\b"),
@@ -439,15 +437,15 @@ def test_cpu_bad_input_raises_naming_the_argument(change, error, match):
         mla_kv.expanded_attention(**_cpu_args(batch, change))
 
 
-@NEEDS_OP
 @pytest.mark.parametrize("change,match", [
     (lambda b: dict(cu_q_lens=torch.tensor([0, 5, 12], dtype=torch.int32)), r"^cu_q_lens\b"),   # past q's 11 rows
     (lambda b: dict(cu_k_lens=torch.tensor([0, 9, 18], dtype=torch.int32)), r"^cu_k_lens\b"),   # past k's 17 rows
     (lambda b: dict(cu_q_lens=torch.tensor([0, 5, 4], dtype=torch.int32)), r"^cu_q_lens\b"),    # decreasing
     (lambda b: dict(cu_k_lens=torch.tensor([2, 9, 12], dtype=torch.int32)), r"^cu_k_lens\b"),   # not from 0
 ])
-def test_cpu_lengths_are_checked_by_the_reference(change, match):
-    """On the CPU the lengths are host data, and the reference checks them; nothing is written on error."""
+def test_cpu_lengths_are_checked(change, match):
+    """On the CPU the lengths are host data, always checked (as validate=True checks them on CUDA);
+    nothing is written on error."""
     batch = make_batch([(5, 9), (3, 3)], _H, (192, 128), device="cpu")
     out = torch.full((_T, _H, 128), 3.0, dtype=torch.float16)
     lse = torch.full((_T, _H), 3.0)
@@ -455,4 +453,23 @@ def test_cpu_lengths_are_checked_by_the_reference(change, match):
     kwargs["max_q_len"] = _T   # above every q_len here: only the lengths themselves may be refused
     with pytest.raises(ValueError, match=match):
         mla_kv.expanded_attention(**kwargs, out=out, lse=lse)
+    assert bool((out == 3).all()) and bool((lse == 3).all())
+
+
+@GPU
+@pytest.mark.parametrize("change,match", [
+    (lambda b: dict(cu_q_lens=torch.tensor([0, 5, 12], dtype=torch.int32, device="cuda")), r"^cu_q_lens\b"),
+    (lambda b: dict(cu_k_lens=torch.tensor([0, 9, 18], dtype=torch.int32, device="cuda")), r"^cu_k_lens\b"),
+    (lambda b: dict(max_q_len=4), r"^max_q_len: sequence 0"),
+])
+def test_gpu_validate_refuses_lengths_the_kernel_would_read_past(change, match):
+    """validate=True: the device lengths checked on the host before the launch; nothing is written."""
+    batch = make_batch([(5, 9), (3, 3)], _H, (192, 128), device="cuda")
+    out = torch.full((_T, _H, 128), 3.0, dtype=torch.float16, device="cuda")
+    lse = torch.full((_T, _H), 3.0, device="cuda")
+    kwargs = dict(q=batch.q, k=batch.k, v=batch.v, cu_q_lens=batch.cu_q_lens, cu_k_lens=batch.cu_k_lens,
+                  softmax_scale=batch.scale, max_q_len=_T)
+    kwargs.update(change(batch))
+    with pytest.raises(ValueError, match=match):
+        mla_kv.expanded_attention(**kwargs, out=out, lse=lse, validate=True)
     assert bool((out == 3).all()) and bool((lse == 3).all())

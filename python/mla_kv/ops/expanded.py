@@ -247,6 +247,12 @@ OWN_KERNEL_DIMS = ((192, 128), (256, 256), (128, 128))
 _OWN_TAGS = ("sm70", "sm75")
 
 
+def _own_tags_here(device: torch.device):
+    """The own kernel's variants (_C.Arch) that run on ``device`` in this build, best first."""
+    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return [getattr(_C.Arch, t) for t in reversed(_OWN_TAGS) if _C.resolve_arch(getattr(_C.Arch, t), cc) != _C.Arch.auto]
+
+
 def _own_kernel_tag(device: torch.device, arch: Optional[str]):
     """The _C.Arch the own kernel takes on ``device``: ``arch`` (sm70 / sm75), or the best that runs
     there (Sm75 from Turing up, Sm70 on Volta)."""
@@ -255,11 +261,8 @@ def _own_kernel_tag(device: torch.device, arch: Optional[str]):
                          f"GPU's best), got {arch!r}")
     if arch is not None:
         return _kernel_arch(device, torch.float16, arch)
-    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    for tag in ("sm75", "sm70"):
-        if _C.resolve_arch(getattr(_C.Arch, tag), cc) != _C.Arch.auto:
-            return getattr(_C.Arch, tag)
-    return _kernel_arch(device, torch.float16, "sm70")  # raises: no variant runs on this GPU in this build
+    tags = _own_tags_here(device)
+    return tags[0] if tags else _kernel_arch(device, torch.float16, "sm70")  # (raises: none runs here)
 
 
 def own_kernel_supported(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
@@ -267,14 +270,23 @@ def own_kernel_supported(device: torch.device, dtype: torch.dtype, d_qk: int, d_
     that runs one of its variants in this build."""
     if _C is None or device.type != "cuda" or dtype != torch.float16 or (d_qk, d_v) not in OWN_KERNEL_DIMS:
         return False
-    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    return any(_C.resolve_arch(getattr(_C.Arch, t), cc) != _C.Arch.auto for t in _OWN_TAGS)
+    return bool(_own_tags_here(device))
+
+
+def _check_cu_lens(name: str, cu: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """Host check of packed lengths (device data: a sync): cu starts at 0, does not decrease and ends at
+    most at `rows`. Returns the lengths (int64, on the CPU)."""
+    cu = cu.cpu().long()
+    if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) > rows:
+        raise ValueError(f"{name}: must start at 0, be non-decreasing and end at most at {what}'s {rows} rows, got "
+                         f"{cu.tolist()[:8]}{' ...' if cu.numel() > 8 else ''}")
+    return cu.diff()
 
 
 def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
                        cu_k_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True, max_q_len: int,
                        out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                       arch: Optional[str] = None, smem_limits: LimitsSpec = None):
+                       arch: Optional[str] = None, smem_limits: LimitsSpec = None, validate: bool = False):
     """Multi-head attention over packed sequences with per-head K and V (the expanded form) -> (out, lse).
 
     q [T, H, d_qk], k [N, H, d_qk], v [N, H, d_v]; sequence b owns q rows cu_q_lens[b] .. cu_q_lens[b + 1]
@@ -282,7 +294,9 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_l
     of a sequence with n queries and m keys sees keys j <= m - n + i; else all of its sequence's keys.
     Returns out [T, H, d_v] in q's dtype and lse [T, H] float32 (natural log; float64 for float64 q); a
     query that sees no key gets 0 / -inf; rows past cu_q_lens[B] are not written. max_q_len: a host bound
-    on every q_len (rows past it are not computed). On CUDA: fp16, (d_qk, d_v) in OWN_KERNEL_DIMS, head
+    on every q_len (rows past it are not computed). ``validate=True`` checks the lengths on the host (a
+    sync; always on the CPU): cu_q_lens / cu_k_lens start at 0, do not decrease, end within q's / k's rows,
+    and every q_len is at most max_q_len; without it the lengths are trusted. On CUDA: fp16, (d_qk, d_v) in OWN_KERNEL_DIMS, head
     dims contiguous, strides multiples of 8 elements; ``arch`` "sm70" / "sm75" picks the variant (both
     run on any newer GPU), ``smem_limits`` plans the tiles of a smaller GPU (a class name of
     mla_kv.gpus.gpu_classes(), or byte limits). CPU tensors run the reference.
@@ -315,6 +329,14 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_l
     out = _result_tensor("out", out, (tokens, heads, d_v), q.dtype, device)
     lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
     limits = _smem_limits(smem_limits)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if validate or not on_cuda:
+        q_lens = _check_cu_lens("cu_q_lens", cu_q_lens, tokens, "q")
+        _check_cu_lens("cu_k_lens", cu_k_lens, k.shape[0], "k")
+        if int(q_lens.max()) > max_q_len:
+            b = int(q_lens.argmax())
+            raise ValueError(f"max_q_len: sequence {b} has {int(q_lens[b])} queries, more than max_q_len = {max_q_len}")
     if not on_cuda:
         ref_out, ref_lse = reference.expanded_attention(q, k, v, cu_q_lens, cu_k_lens, softmax_scale, causal=causal)
         rows = int(cu_q_lens[-1])
@@ -377,10 +399,7 @@ def _store_part(part_out, part_lse, sees, out, lse) -> None:
 def _validate_lengths(cu_q_lens, kv_lens, tokens, bounds, have, block_size, blocks) -> None:
     """Host checks of device data (validate=True, and always on the CPU): cu_q_lens, the host bounds
     (max_q_len, max_kv_len, prefix bound), q_len <= kv_len and table coverage."""
-    cu = cu_q_lens.cpu().long()
-    if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) > tokens:
-        raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at most at q's {tokens} tokens")
-    q_lens, lens = cu.diff(), kv_lens.cpu().long()
+    q_lens, lens = _check_cu_lens("cu_q_lens", cu_q_lens, tokens, "q"), kv_lens.cpu().long()
     prefixes = torch.where(q_lens > 0, lens - q_lens, 0)
     for name, got, bound in zip(("max_q_len", "max_kv_len", "max_prefix_len"), (q_lens, lens, prefixes), bounds):
         over = (got > bound).nonzero()
