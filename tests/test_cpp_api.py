@@ -93,3 +93,15 @@ def test_expanded_attention_refuses_what_it_has_no_kernel_for():
     p.dtype = _C.DType.bfloat16
     with pytest.raises(RuntimeError, match="expanded_attention: dtype not supported"):
         _C.expanded_attention(p, _C.Arch.auto, 0)
+    # Refused before the device is asked which variant it runs (no GPU here); an empty batch launches
+    # nothing and succeeds.
+    p.dtype, p.head_dim_qk, p.head_dim_v = _C.DType.float16, 256, 256
+    p.batch, p.num_heads, p.max_q_len = 1, 1, 1
+    p.cu_q_lens = p.cu_k_lens = p.out = p.k = p.v = 256  # q left null
+    with pytest.raises(RuntimeError, match="expanded_attention: invalid argument"):
+        _C.expanded_attention(p, _C.Arch.auto, 0)
+    p.q, p.head_dim_v = 256, 128
+    with pytest.raises(RuntimeError, match="expanded_attention: invalid argument"):  # (256, 128): no kernel
+        _C.expanded_attention(p, _C.Arch.auto, 0)
+    p.head_dim_v, p.batch = 256, 0
+    _C.expanded_attention(p, _C.Arch.auto, 0)

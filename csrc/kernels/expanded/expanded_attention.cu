@@ -52,18 +52,20 @@ ExpandedTiles expanded_attention_tiles(Arch tag, int head_dim_qk, int head_dim_v
 
 Status invokeExpandedAttention(const ExpandedAttentionParams& p, Arch arch, cudaStream_t stream) {
   if (p.dtype != DType::kFloat16) return Status::kUnsupportedDType;
+  // The arguments first (no device needed to refuse them), then the variant the device runs.
+  if (!dims_supported(p.head_dim_qk, p.head_dim_v) || p.batch < 0 || p.num_heads < 0 || p.max_q_len < 0 ||
+      p.batch > 65535 || p.num_heads > 65535)
+    return Status::kInvalidArgument;
+  if (p.batch == 0 || p.num_heads == 0 || p.max_q_len == 0) return Status::kOk;
+  if (p.cu_q_lens == nullptr || p.cu_k_lens == nullptr || p.q == nullptr || p.k == nullptr || p.v == nullptr ||
+      p.out == nullptr || !aligned(p.q, {p.q_stride_t, p.q_stride_h}) || !aligned(p.k, {p.k_stride_t, p.k_stride_h}) ||
+      !aligned(p.v, {p.v_stride_t, p.v_stride_h}) || !aligned(p.out, {p.out_stride_t, p.out_stride_h}))
+    return Status::kInvalidArgument;
   const int cc = device_compute_capability();
   // Auto: the Sm75 kernel wherever it runs (its m16n8k8 is native from Turing up), else Sm70.
   Arch tag = resolve_arch(arch == Arch::kAuto ? Arch::kSm75 : arch, cc);
   if (tag == Arch::kAuto && arch == Arch::kAuto) tag = resolve_arch(Arch::kSm70, cc);
   if (tag != Arch::kSm70 && tag != Arch::kSm75) return Status::kUnsupportedArch;
-  if (!dims_supported(p.head_dim_qk, p.head_dim_v) || p.batch < 0 || p.num_heads < 0 || p.max_q_len < 0)
-    return Status::kInvalidArgument;
-  if (p.batch == 0 || p.num_heads == 0 || p.max_q_len == 0) return Status::kOk;
-  if (p.cu_q_lens == nullptr || p.cu_k_lens == nullptr || p.out == nullptr || !aligned(p.q, {p.q_stride_t, p.q_stride_h}) ||
-      !aligned(p.k, {p.k_stride_t, p.k_stride_h}) || !aligned(p.v, {p.v_stride_t, p.v_stride_h}) ||
-      !aligned(p.out, {p.out_stride_t, p.out_stride_h}) || p.batch > 65535 || p.num_heads > 65535)
-    return Status::kInvalidArgument;
   const ExpandedTiles tiles = expanded_attention_tiles(tag, p.head_dim_qk, p.head_dim_v, p.smem_limits);
   if (tiles.block_m == 0) return Status::kSharedMemoryExceeded;
   return tag == Arch::kSm70 ? launch_dims<arch::Sm70>(p, tiles.block_m, stream)
