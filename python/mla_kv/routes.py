@@ -21,6 +21,8 @@ from bisect import bisect_right
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from ._checks import integer
+
 TABLE = Path(__file__).with_name("prefill_routes.json")
 ROUTES = ("absorbed", "expanded")
 ABSORBED_FLOPS_PER_PAIR = 2176
@@ -71,8 +73,6 @@ def choose_prefill_route(q_len: int, kv_len: int, num_heads: int, d_nope: int, d
     (prefix = kv_len - q_len), at num_heads heads of dims (d_nope + 64, d_v). ``arch``: the kernel variant
     (sm70 ... sm90), default the current GPU's best (the FLOP rule without a GPU). ``table``: a
     measured_table()-shaped dict instead of the package's."""
-    from ._checks import integer
-
     q_len, kv_len = integer("q_len", q_len, 1), integer("kv_len", kv_len, 1)
     if kv_len < q_len:
         raise ValueError(f"kv_len: must include the chunk's q_len = {q_len} tokens, got {kv_len}")

@@ -9,7 +9,8 @@ Each row's TFLOP/s counts its own form's FLOPs; "x absorbed" is the absorbed ker
 time over the row's (the issue's target: >= 1.8x at GLM dims and >= 2.8x at DeepSeek dims for Sm70 /
 Sm75), "x mem-eff" torch's memory-efficient kernel's time over the row's. The flash kernel runs
 where torch has one (sm80+), with V zero-padded to d_qk at DeepSeek dims (it takes one head dim).
-Ceilings: the Sm70 / Sm75 / Sm80 mma.sync and Sm90 wgmma rates; torch's kernels use m16n8k16 (Sm80).
+Ceilings: the Sm70 / Sm75 / Sm80 mma.sync and Sm90 wgmma rates; torch's kernels use m16n8k16 (Sm80) from Ampere
+up, the GPU's own tag's instruction below.
 "rel_diff": each row's out against the memory-efficient kernel's (a check, not a tolerance).
 "prefill_expanded (K)": the whole expanded route from the latent cache (gather_kv, the up-projection
 GEMMs, kernel K on the new tokens and on each prefix chunk, the merges), "op overhead %" what it adds to
@@ -64,8 +65,11 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
                      "x mem-eff": t_mem / seconds, "rel_diff": diff})
 
     expanded_flops = 2 * (d_qk + d_v)
-    row("torch mem-efficient", "sm80", t_mem, expanded_flops, ceilings["sm80"], want)
-    flash_s = {}
+    # torch's kernels run their build for this GPU: the mma.sync of sm80 (m16n8k16) from Ampere up, the
+    # GPU's own tag's below.
+    torch_tag = "sm80" if "sm80" in tags else tags[-1]
+    row("torch mem-efficient", torch_tag, t_mem, expanded_flops, ceilings[torch_tag], want)
+    alone = {}  # kernel -> seconds, for the whole op's overhead below
     if torch.cuda.get_device_capability() >= (8, 0):
         width = max(d_qk, d_v)
         pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
@@ -74,8 +78,8 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
         def flash(i):
             return torch.ops.aten._flash_attention_forward(qf, kf, vf, cu_q, cu_k, q_len, kv_len, 0.0, True, False,
                                                            scale=scale)[0]
-        flash_s["flash"] = timed(flash, graph=True)
-        row("torch flash", "sm80", flash_s["flash"], expanded_flops, ceilings["sm80"], flash(0)[..., :d_v])
+        alone["flash"] = timed(flash, graph=True)
+        row("torch flash", "sm80", alone["flash"], expanded_flops, ceilings["sm80"], flash(0)[..., :d_v])
 
     # The absorbed kernel over a latent cache with the same attention shape (its own random data: the
     # time, not the values, is compared).
@@ -98,34 +102,32 @@ def run_case(label, model, heads, batch, q_len, kv_len, gen, tags, ceilings):
         row("mla_kv absorbed", tag, absorbed[tag], ABSORBED_FLOPS_PER_PAIR, ceilings[tag], None)
     out = torch.empty(t_q, heads, d_v, device="cuda", dtype=dtype)
     lse = torch.empty(t_q, heads, device="cuda")
-    kernel_s = {}
-    for tag in ("sm70", "sm75"):
+    own_tags = [t for t in ("sm70", "sm75") if t in tags]
+    for tag in own_tags:
         def own(i, tag=tag):
             return mla_kv.expanded_attention(q, k, v, cu_q, cu_k, scale, causal=True, max_q_len=q_len, out=out,
                                              lse=lse, arch=tag)[0]
         out.fill_(float("nan"))
         got = own(0).clone()
-        kernel_s[tag] = timed(own, graph=True)
-        row("mla_kv expanded", tag, kernel_s[tag], expanded_flops, ceilings[tag], got, absorbed[tag])
+        alone[tag] = timed(own, graph=True)
+        row("mla_kv expanded", tag, alone[tag], expanded_flops, ceilings[tag], got, absorbed[tag])
 
     # The whole expanded route from the latent cache (prefill_expanded: gather, up-projections, the
-    # attention, merges), on the own Sm75 kernel and on flash: "op overhead %" is what it adds to that
+    # attention, merges), on the best own kernel and on flash: "op overhead %" is what it adds to that
     # kernel alone.
     w_uk = torch.randn(heads, nope, 512, device="cuda", dtype=dtype, generator=gen) / 512 ** 0.5
     w_uv = torch.randn(heads, d_v, 512, device="cuda", dtype=dtype, generator=gen) / 512 ** 0.5
     bounds = dict(max_q_len=q_len, max_kv_len=kv_len, max_prefix_len=kv_len - q_len)
     op_ws = torch.empty(mla_kv.prefill_expanded_workspace_size(t_q, batch, heads, nope, d_v, dtype=dtype, **{
         n: b for n, b in bounds.items() if n != "max_q_len"}), dtype=torch.uint8, device="cuda")
-    kernels = [("sm75", "mla_kv", "sm75")] + ([("flash", "flash", None)] if "flash" in flash_s else [])
+    kernels = [(own_tags[-1], "mla_kv", own_tags[-1])] + ([("flash", "flash", None)] if "flash" in alone else [])
     for name, kernel, arch in kernels:
         def op(i, kernel=kernel, arch=arch):
             return mla_kv.prefill_expanded(q, cache, table, cu_q, kv_lens, w_uk, w_uv, scale, out=out, lse=lse,
                                            workspace=op_ws, attention_kernel=kernel, arch=arch, **bounds)[0]
-        seconds = timed(op, graph=True)
-        alone = kernel_s.get(name, flash_s.get(name))
-        row(f"prefill_expanded ({name})", arch or "sm80", seconds, expanded_flops, ceilings[arch or "sm80"], None,
-            absorbed.get(arch or "sm80"))
-        rows[-1]["op overhead %"] = 100 * (seconds / alone - 1)
+        seconds, tag = timed(op, graph=True), arch or "sm80"
+        row(f"prefill_expanded ({name})", tag, seconds, expanded_flops, ceilings[tag], None, absorbed[tag])
+        rows[-1]["op overhead %"] = 100 * (seconds / alone[name] - 1)
     return rows
 
 
