@@ -296,7 +296,9 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_l
     query that sees no key gets 0 / -inf; rows past cu_q_lens[B] are not written. max_q_len: a host bound
     on every q_len (rows past it are not computed). ``validate=True`` checks the lengths on the host (a
     sync; always on the CPU): cu_q_lens / cu_k_lens start at 0, do not decrease, end within q's / k's rows,
-    and every q_len is at most max_q_len; without it the lengths are trusted. On CUDA: fp16, (d_qk, d_v) in OWN_KERNEL_DIMS, head
+    and every q_len is at most max_q_len; without it the lengths are trusted (unlike the cache ops, the
+    kernel does not bound its rows by T and N: lengths past them read and write past q / k / v / out).
+    On CUDA: fp16, (d_qk, d_v) in OWN_KERNEL_DIMS, head
     dims contiguous, strides multiples of 8 elements; ``arch`` "sm70" / "sm75" picks the variant (both
     run on any newer GPU), ``smem_limits`` plans the tiles of a smaller GPU (a class name of
     mla_kv.gpus.gpu_classes(), or byte limits). CPU tensors run the reference.
