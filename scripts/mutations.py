@@ -48,6 +48,7 @@ MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
 COMBINE_CU = "csrc/kernels/attention/combine.cu"
 ATTENTION_CU = "csrc/kernels/attention/attention.cu"
 SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
+NARROW_CUH = "csrc/kernels/attention/attention_sm90_narrow.cuh"
 EXPANDED_CUH = "csrc/kernels/expanded/expanded_attention.cuh"
 MERGE_CU = "csrc/kernels/attention/merge.cu"
 
@@ -313,6 +314,29 @@ MUTATIONS = (
              "adopt_max(1, alpha);", "adopt_max(0, alpha);", T_SCORES + T_ATTENTION,
              "seesaw: warpgroup 0 re-reads its own max instead of warpgroup 1's (wrong after a score jump "
              "in a pair's second tile)", focus=RESCALE_FOCUS),
+    # ------------------------------------------------------------------ Hopper narrow decode (fp8 / int8 / int4)
+    Mutation("narrow-q-power-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
+             "col_scale[q] = kScaledQ ? ldexpf(scale_log2, q_exp_s[col_of(q)]) : scale_log2;",
+             "col_scale[q] = scale_log2;", T_QUANT_ATTENTION,
+             "narrow kernel, fp8 with bf16 q: a q row's power of two is not put back into its scores",
+             focus="beyond"),
+    Mutation("narrow-zero-score-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
+             "if constexpr (kInt) x = row_scale[h] * x + row_zero[h] * qsum;",
+             "if constexpr (kInt) x = row_scale[h] * x;", T_QUANT_ATTENTION,
+             "narrow kernel, int8 / int4: scores miss the zero point's z sum(q)", focus="int"),
+    Mutation("narrow-zero-output-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
+             "if constexpr (kInt) corr_run[q] += pr[h] * row_zero[h];", "if constexpr (kInt) corr_run[q] += 0.f;",
+             T_QUANT_ATTENTION, "narrow kernel, int8 / int4: the output misses sum_t P z_t", focus="int"),
+    Mutation("narrow-p-shift-in-lse", "attention", ("Sm90",), ("quantized", "lse"), NARROW_CUH,
+             "(merged_max[q] - Fmt::kPShift + log2f(l)) * kLn2", "(merged_max[q] + log2f(l)) * kLn2",
+             T_QUANT_ATTENTION, "narrow kernel, fp8: lse keeps P's 2^7", focus="fp8"),
+    Mutation("narrow-run-last-row", "attention", ("Sm90",), ("quantized", "paged table"), NARROW_CUH,
+             "hi[k] = block_runs ? min(block0 + (r + 1) * per_block, end) : min(lo[k] + 1, end);",
+             "hi[k] = block_runs ? min(block0 + (r + 1) * per_block - 1, end) : min(lo[k] + 1, end);",
+             T_QUANT_ATTENTION, "narrow kernel's copy warp: each block run leaves its last row behind"),
+    Mutation("narrow-merge-one-warpgroup", "attention", ("Sm90",), ("quantized", "softmax"), NARROW_CUH,
+             "total_l[q] = l0 * f0 + l1 * f1;", "total_l[q] = l0 * f0;", T_QUANT_ATTENTION,
+             "narrow kernel: rows normalized by warpgroup 0's sum alone (wrong past 64 keys)"),
     # ------------------------------------------------------------------ expanded-form kernel (Sm70 / Sm75)
     Mutation("expanded-causal-one-late", "expanded", ("Sm70", "Sm75"), ("mask", "prefill"), EXPANDED_CUH,
              "row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 1) : w.kv_hi;",

@@ -28,6 +28,7 @@ Two comparisons of every launch (fresh NaN out / lse, a 0xFF workspace where the
 The cache bytes (and the block pool) are the same after the launches. CPU tests cover the argument
 checks and the CPU path (the reference).
 """
+import dataclasses
 import functools
 import math
 import zlib
@@ -194,6 +195,8 @@ DECODE_CASES = {
     "sq1-h16-bs64": dict(s_q=1, heads=16, block_size=64, lens=[1, 64, 650], shared=0, splits=5),
     "sq2-h7-bs32": dict(s_q=2, heads=7, block_size=32, lens=[33, 1, 333], shared=1, splits=3),  # query 0 of b=1 sees no key
     "sq1-h20-bs16": dict(s_q=1, heads=20, block_size=16, lens=[16, 17, 300], shared=1, splits=4),
+    # 30 (token, head) rows: the narrow kernel's widest tile (N = 32; 16 and 24 above)
+    "sq2-h15-bs64": dict(s_q=2, heads=15, block_size=64, lens=[2, 129, 200], shared=1, splits=2),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)
@@ -310,6 +313,16 @@ def check_both(out, lse, refs, dtype, what, cu_q_lens=None):
                     lse_tol=SPEC_LSE_TOL[dtype])
 
 
+def reads_exact_codes(kv_format, arch, rows, schedule):
+    """Whether the launch takes Hopper's narrow decode kernel (attention_sm90_narrow.cuh), which feeds its
+    MMAs the codes themselves and applies the scales in fp32: it then matches the spec at the 16-bit
+    tolerances, and the reference over values rounded to q's dtype is not what it computes. It serves
+    uniform decode batches of up to 32 (token, head) rows over fp8 / int8 / int4 caches, with the
+    default tile loads ("cp.async" keeps the 64-row kernel, whose dequantization the tests run so)."""
+    return (arch is None and torch.cuda.get_device_capability() == (9, 0) and kv_format in ("fp8", "int8", "int4")
+            and rows <= 32 and (schedule is None or schedule.tile_loads == "auto"))
+
+
 def run_decode_case(kv_format, dtype, case, form, arch):
     c = DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
@@ -318,11 +331,20 @@ def run_decode_case(kv_format, dtype, case, form, arch):
     before = dev.host_memory()
     q = q_view(q_full.cuda(), c["heads"])
     seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device="cuda")
-    for schedule, validate in schedules(c["splits"], dev.width_positions, q.shape[0] * q.shape[1], c["heads"],
-                                        validate=min(cache.lens) >= c["s_q"]):
+    runs = schedules(c["splits"], dev.width_positions, q.shape[0] * q.shape[1], c["heads"],
+                     validate=min(cache.lens) >= c["s_q"])
+    if reads_exact_codes(kv_format, arch, c["s_q"] * c["heads"], None):  # the 64-row kernel as well
+        runs.append((dataclasses.replace(runs[1][0], tile_loads="cp.async"), runs[1][1]))
+    for schedule, validate in runs:
         out, lse = launch_decode(q, dev, seq_lens, arch, schedule, validate)
         split = "" if schedule is None else f" splits={schedule.num_splits}x{schedule.tokens_per_split}"
-        check_both(out.cpu(), lse.cpu(), refs, dtype, f"{kv_format} {dtype_name(dtype)} {case} {form}{split}")
+        what = f"{kv_format} {dtype_name(dtype)} {case} {form}{split}"
+        if schedule is not None and schedule.tile_loads != "auto":
+            what += f" tile_loads={schedule.tile_loads}"
+        if reads_exact_codes(kv_format, arch, c["s_q"] * c["heads"], schedule):
+            check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
+        else:
+            check_both(out.cpu(), lse.cpu(), refs, dtype, what)
     torch.cuda.synchronize()
     assert same_bytes(dev.host_memory(), before), f"{kv_format} {form}: the launches changed the cache's bytes"
 
@@ -339,10 +361,40 @@ def test_decode_quantized(kv_format, dtype, form, case, arch):
 
 
 @GPU
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_decode_quantized_block_size_16(kv_format, arch):
+def test_decode_quantized_block_size_16(kv_format, dtype, arch):
     for form in ("paged", "blocks"):
-        run_decode_case(kv_format, torch.float16, "sq1-h20-bs16", form, arch)
+        run_decode_case(kv_format, dtype, "sq1-h20-bs16", form, arch)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # a parameter: the arch fixture skips sm75 / sm70 on it
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_decode_quantized_30_rows(kv_format, dtype, arch):
+    run_decode_case(kv_format, dtype, "sq2-h15-bs64", "paged", arch)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("power", [24, -24])
+def test_decode_fp8_bf16_query_beyond_fp16(power, dtype, arch):
+    """bf16 q times 2^24 (past fp16's largest value) or 2^-24 (under its smallest normal), softmax_scale
+    divided by as much: the same logits, so the same answer as the case's reference. The narrow
+    kernel's fp16 products see each q row through its own power of two."""
+    case = "sq1-h16-bs64"
+    cache, q_full = decode_data("fp8", dtype, case)
+    refs = decode_refs("fp8", dtype, case, "paged")
+    dev = DeviceCache(cache, "paged")
+    q = q_view(q_full.cuda() * 2.0 ** power, DECODE_CASES[case]["heads"])
+    out, lse = nan_outputs(q, q.shape[:3])
+    mla_kv.decode(q, seq_lens=torch.tensor(cache.lens, dtype=torch.int32, device="cuda"),
+                  softmax_scale=SOFTMAX_SCALE * 2.0 ** -power, out=out, lse=lse, arch=arch, **dev.kwargs)
+    what = f"fp8 bfloat16 q x 2^{power}"
+    if reads_exact_codes("fp8", arch, DECODE_CASES[case]["heads"], None):
+        check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
+    else:
+        check_both(out.cpu(), lse.cpu(), refs, dtype, what)
 
 
 @GPU

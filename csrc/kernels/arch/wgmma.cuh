@@ -25,6 +25,15 @@ namespace arch {
 constexpr int kSwizzleRowBytes = 128;  // one row of a 64-column chunk
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;
 
+// The dynamic shared memory `raw` from its first kSwizzleAtomBytes-aligned byte. An offset into the
+// __shared__ array keeps the compiler knowing the address space; a pointer rebuilt from an integer
+// is generic, and generic loads go through L1TEX and wait on its scoreboard (ncu: 57% of the narrow
+// decode kernel's stalls before this).
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  return raw + ((kSwizzleAtomBytes - addr % kSwizzleAtomBytes) % kSwizzleAtomBytes);
+}
+
 // Byte offset of 16-byte unit `unit` (0..7) of row `row` inside a swizzled chunk.
 __device__ __forceinline__ int swizzled_offset(int row, int unit) {
   return row * kSwizzleRowBytes + ((unit ^ (row & 7)) << 4);
@@ -111,6 +120,16 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, i
       : "memory");
 #endif
 }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by the
+// bulk-copy engine, completing on `bar` (its phase must expect them: mbarrier_arrive_expect).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+#endif
+}
 // Waits for the completion of `bar`'s phase of parity `parity`.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #if MLA_KV_HAS_WGMMA
@@ -162,6 +181,9 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // 8-column block j, d[4 j + 2 h + e] = D[16 w + l / 4 + 8 h][8 j + 2 (l % 4) + e].
 template <class T, int N, bool kBMnMajor>
 struct Wgmma;
+// D[64 x N] += A[64 x 16] (registers, as above) . B[16 x N] (shared memory, K-major), N = 16 or 32.
+template <class T, int N>
+struct WgmmaRegA;
 
 #if MLA_KV_HAS_WGMMA
 // Operand lists of the 32 and 128 accumulator registers: operand numbers, and the outputs as blocks
@@ -219,6 +241,44 @@ struct Wgmma;
     }                                                                                                                \
   };
 
+// The narrow kernel's shapes (attention_sm90_narrow.cuh): m64nNk16, A from registers, B K-major,
+// N = 16, 24 or 32 (8, 12 or 16 accumulator registers).
+#define MLA_KV_WGMMA_NARROW(T, PTX_TYPE)                                                                          \
+  template <> struct WgmmaRegA<T, 16> {                                                                          \
+    static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n16k16.f32." PTX_TYPE "." PTX_TYPE                          \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+                     "+f"(d[7])                                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                       \
+    }                                                                                                            \
+  };                                                                                                             \
+  template <> struct WgmmaRegA<T, 24> {                                                                          \
+    static __device__ __forceinline__ void mma(float (&d)[12], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n24k16.f32." PTX_TYPE "." PTX_TYPE                          \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n" \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+                     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])                                \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                       \
+    }                                                                                                            \
+  };                                                                                                             \
+  template <> struct WgmmaRegA<T, 32> {                                                                          \
+    static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE                          \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"                  \
+                   " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                               \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+                     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),     \
+                     "+f"(d[14]), "+f"(d[15])                                                                    \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                       \
+    }                                                                                                            \
+  };
+MLA_KV_WGMMA_NARROW(__nv_bfloat16, "bf16")
+MLA_KV_WGMMA_NARROW(__half, "f16")
+#undef MLA_KV_WGMMA_NARROW
 MLA_KV_WGMMA_SHAPES(__nv_bfloat16, "bf16")
 MLA_KV_WGMMA_SHAPES(__half, "f16")
 #undef MLA_KV_WGMMA_SHAPES
@@ -231,6 +291,10 @@ MLA_KV_WGMMA_SHAPES(__half, "f16")
 template <class T, int N, bool kBMnMajor>
 struct Wgmma {
   static __device__ __forceinline__ void mma(float (&)[N / 2], uint64_t, uint64_t, int) {}
+  static __device__ __forceinline__ void mma(float (&)[N / 2], const uint32_t (&)[4], uint64_t, int) {}
+};
+template <class T, int N>
+struct WgmmaRegA {
   static __device__ __forceinline__ void mma(float (&)[N / 2], const uint32_t (&)[4], uint64_t, int) {}
 };
 #endif

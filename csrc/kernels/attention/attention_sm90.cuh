@@ -34,6 +34,7 @@
 #include "../arch/wgmma.cuh"
 #include "../dequant.cuh"
 #include "attention_launch.h"
+#include "attention_sm90_narrow.cuh"
 #include "common.cuh"
 #include "tensor_map.h"
 
@@ -317,8 +318,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
   static_assert(!(kTma && kQuant), "TMA copies 16-bit tiles only");
   if constexpr (arch::target_supports<arch::Sm90>()) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + arch::kSwizzleAtomBytes - 1) & ~uintptr_t(arch::kSwizzleAtomBytes - 1));
+    unsigned char* smem = arch::aligned_smem(smem_raw);
     unsigned char* q_s = smem + kQOffset;
     unsigned char* kv_s = smem + kKvOffset;
     unsigned char* p0_s = smem + kProbOffset;
@@ -718,6 +718,16 @@ template <class T, class Rows, KvFormat F>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream) {
   CUtensorMap map{};
   Status st;
+  if constexpr (narrow::supports(F)) {
+    const int columns = narrow::columns_for(p);
+    if (columns != 0) {
+      st = columns == 16   ? narrow::launch<T, Rows, F, 16>(p, rows, stream)
+           : columns == 24 ? narrow::launch<T, Rows, F, 24>(p, rows, stream)
+                           : narrow::launch<T, Rows, F, 32>(p, rows, stream);
+      if (st != Status::kOk) return st;
+      return launch_combine<T>(p, stream);
+    }
+  }
   if constexpr (std::is_same_v<Rows, PagedTableRows> && F == KvFormat::kNone) {
     st = sm90::make_tile_map(p, rows, map) ? sm90::launch<T, Rows, true, F>(p, rows, map, grid_x, stream)
                                                : sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);

@@ -1,6 +1,8 @@
 """Decode launches for a profiler.
 
-  mla-kv bench profile_decode B CTX H [dtype]    three launches, for ncu (--launch-skip 2)
+  mla-kv bench profile_decode B CTX H [dtype] [--kv-format F]
+                                                 three launches, for ncu (--launch-skip 2), over a
+                                                 16-bit cache or one of format F
   mla-kv bench profile_decode --times            per-kernel GPU times (attention, combine) of the
                                                  decode cases RESULTS.md quotes, via torch.profiler
 (or python bench/profile_decode.py ... in a source tree)
@@ -15,25 +17,31 @@ from torch.profiler import ProfilerActivity, profile
 
 import mla_kv
 from mla_kv.bench import common
+from mla_kv.bench.decode import quantized_caches
 
 TIMED_CASES = [(64, 4096, 16), (64, 4096, 20), (64, 4096, 64), (64, 4096, 128), (1, 32768, 20), (8, 32768, 20),
                (1, 512, 20), (8, 4096, 20)]
 
 
-def make_decode(batch, ctx, heads, dtype=torch.bfloat16):
+def make_decode(batch, ctx, heads, dtype=torch.bfloat16, kv_format=None):
     """A decode call over random data (page 64, shuffled blocks) with its schedule and workspace.
     Successive calls read different caches (as bench_decode's replays do), so that no call finds
     its cache in L2."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks = ctx // 64
-    sets = common.variants_for(batch * ctx * 576 * dtype.itemsize, cap=8)
-    caches = [torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+    row_bytes = 576 * dtype.itemsize if kv_format is None else mla_kv.layout.bytes_per_token(kv_format, dtype)
+    sets = common.variants_for(batch * ctx * row_bytes, cap=8)
+    if kv_format is None:
+        caches = [torch.randn(batch * blocks, 64, 576, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+    else:
+        caches = quantized_caches(kv_format, sets, batch * blocks, dtype, gen)
+    quantized = {} if kv_format is None else dict(kv_format=kv_format, kv_scale=0.05 if kv_format == "fp8" else None)
     table = torch.randperm(batch * blocks, device="cuda", generator=gen).int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q, schedule, workspace, out, lse = common.decode_buffers(batch, heads, ctx, dtype, gen)
     rotation = itertools.cycle(caches)
     call = lambda: mla_kv.decode(q, next(rotation), table, lens, 1 / math.sqrt(192),  # noqa: E731
-                                 out=out, lse=lse, workspace=workspace, schedule=schedule)
+                                 out=out, lse=lse, workspace=workspace, schedule=schedule, **quantized)
     return call, schedule
 
 
@@ -63,17 +71,21 @@ def main(argv=None, prog=None):
     ap.add_argument("heads", type=int, nargs="?", metavar="H", help="attention heads")
     ap.add_argument("dtype", nargs="?", default="bfloat16", choices=("float16", "bfloat16"), metavar="dtype",
                     help="float16 or bfloat16 (default %(default)s)")
+    ap.add_argument("--kv-format", default=None, metavar="F",
+                    help="a quantized cache of this format (fp8, fp8_ds_mla, int8, int4) instead of 16-bit rows")
     ap.add_argument("--times", action="store_true", help="per-kernel GPU times of the decode cases RESULTS.md quotes")
     args = ap.parse_args(argv)
     if not args.times and args.heads is None:
         ap.error("give B CTX H [dtype], or --times")
+    if args.kv_format is not None:
+        mla_kv.layout.check_kv_format(args.kv_format, "--kv-format")
     if not common.kernels_present(prog or "profile_decode"):
         return 1
     if args.times:
         for case in TIMED_CASES:
             kernel_times(*case)
         return 0
-    call, _ = make_decode(args.batch, args.ctx, args.heads, getattr(torch, args.dtype))
+    call, _ = make_decode(args.batch, args.ctx, args.heads, getattr(torch, args.dtype), args.kv_format)
     for _ in range(3):
         call()
     torch.cuda.synchronize()

@@ -1,0 +1,665 @@
+// Hopper decode over a quantized cache (fp8, int8, int4) with the heads on wgmma's N.
+//
+// The 64-row kernel of attention_sm90.cuh pads a decode step's 16-20 (token, head) rows to wgmma's M
+// of 64, so its tensor work is 3-4x what the rows need; with 16-bit tiles the cache's bytes still
+// take longer, but a quantized tile arrives in half the time (a quarter for int4), and the padding
+// then sets the pace (RESULTS.md, quantized decode). Here the products are transposed:
+//   S^T [64 tokens x N rows] = K [64 x 576] . Q^T,   O^T [512 x N] += V^T [512 x 64] . P^T,
+// with the cache tile as wgmma's A operand, converted from its raw bytes into registers (the
+// mma.sync fragment layout) by the math threads themselves, and Q^T / P^T (N = 16 or 32 rows) as
+// the K-major B operand in shared memory. No value is rounded on the way in: e4m3 and int codes are
+// exact in either 16-bit type, and the scales go where they cost nothing:
+//   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
+//   int8 / int4 (code c, row scale s_t, zero z_t): S = s_t (Q.C^T) + z_t sum(q), and
+//         O = (P s_t).C + sum_t P z_t, P s_t rounded to the 16-bit type as P is in every kernel.
+// fp8 products are fp16 for either q dtype (an e4m3 pair is one cvt away from fp16, three more from
+// bf16): a bf16 q row enters as fp16 times 2^-e_n, e_n its own power of two putting the row's largest
+// value at 2^14 (exact down to 2^-29 of that), and e_n goes back into the row's score scale; P (below
+// 2^8, raised_max) enters as P 2^7, so that fp16's subnormals start at P = 2^-21 and the rounding
+// there adds at most 2^-32 per token; the 2^7 leaves with the row sum, summed from the same values.
+// An int4 nibble (an fp16 int8 byte) becomes a 16-bit value by taking a magic exponent, B + c, and
+// one packed subtraction of B, exact; leaving B in the product and taking B sum(q) out of S in fp32
+// instead cancels ~B / c times the product's rounding into the score (seen failing the lse check).
+//
+// Permutations make every fragment a few wide shared-memory loads and byte moves:
+//   - the 576 features of a k step: slot k of step s of block j is feature 64 j + 16 c + 4 s + e
+//     (c = (k % 8) / 2, e = k % 2 + 2 (k / 8)), so that a thread's 16 features of a block are 16
+//     consecutive bytes of its row (8 for int4); Q^T is stored in that order;
+//   - the 64 tokens of the O product: slot 2 q + e of k step s is token 16 s + q + 8 e, so a thread's
+//     two score rows are one 32-bit P pair and its V tokens are those = c mod 4;
+//   - the 512 output columns: row 16 w + g + 8 h of M tile i is column 16 (8 w + g) + 2 i + h, so a
+//     thread's 16 columns are consecutive bytes of a row.
+// A CTA has two math warpgroups taking alternate tiles (each its own online softmax, merged at the
+// end) and one copy warp that moves each tile's rows, a block's run per bulk copy, into a four-stage ring.
+#pragma once
+
+#include <type_traits>
+
+#include "../arch/wgmma.cuh"
+#include "../dequant.cuh"
+#include "attention_launch.h"
+#include "common.cuh"
+
+namespace mla_kv {
+namespace attention_detail {
+namespace narrow {
+
+constexpr int kTokens = 64;   // cache rows per tile (wgmma's M)
+constexpr int kGroups = 2;    // math warpgroups
+constexpr int kStages = 4;    // tile buffers of the ring: two per warpgroup
+constexpr int kMathThreads = 128 * kGroups;
+constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
+// The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
+constexpr int kMathRegisters = 232, kCopyRegisters = 40;
+static_assert((kGroups * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kThreads) / 8 * 8 * kThreads,
+              "the CTA's register pool");
+constexpr int kBlocks = kRowDim / 64;        // 64-feature blocks of a row: 8 latent, 1 rope
+constexpr int kEpilogueBarrier = 1 + kGroups;  // named barriers 1, 2: a warpgroup's own
+
+constexpr bool supports(KvFormat f) { return f == KvFormat::kFp8 || f == KvFormat::kInt8 || f == KvFormat::kInt4; }
+
+template <KvFormat F>
+struct Format {
+  static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
+  // fp8 products in fp16 (the top of the file): a q row's power of two, and P's.
+  template <class T>
+  using Product = std::conditional_t<F == KvFormat::kFp8, __half, T>;
+  static constexpr float kPShift = F == KvFormat::kFp8 ? 7.f : 0.f;
+  static constexpr int kRowBytes = F == KvFormat::kInt4 ? kRowDim / 2 : kRowDim;  // a row's codes
+  static constexpr int kBlockBytes = kRowBytes / kBlocks;
+  static constexpr int kThreadBytes = kBlockBytes / 4;  // a thread's 16 values of a block
+  static constexpr int kStageBytes = kTokens * kRowBytes + (kTrailer ? kTokens * 4 : 0);
+};
+
+template <KvFormat F, int N>
+struct Smem {
+  static constexpr size_t kQ = 0;                                         // Q^T: 9 chunks of N rows
+  static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T per warpgroup
+  static constexpr size_t kRing = kP + size_t(kGroups) * N * arch::kSwizzleRowBytes;
+  static constexpr size_t kRingBytes = size_t(kStages) * Format<F>::kStageBytes;
+  static constexpr size_t kStats = kRing + kRingBytes;  // floats
+  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N]
+  static constexpr size_t kStatFloats = size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + N;
+  static constexpr size_t kBarriers = (kStats + kStatFloats * sizeof(float) + 7) / 8 * 8;
+  static constexpr size_t kBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
+  // The epilogue's [N][512] fp32 partial of warpgroup 1 lies over the ring.
+  static_assert(kRingBytes >= size_t(N) * kLatentDim * sizeof(float), "the merge buffer fits in the ring");
+  static_assert(kBytes <= size_t(kSmemHopper.per_block), "Hopper's shared memory per CTA");
+};
+
+// Eight values of T (a 16-byte load) times `factor`, as eight of M.
+template <class T, class M>
+__device__ __forceinline__ uint4 scaled_pairs(uint4 x, float factor) {
+  uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const arch::Vec<T, 2> in = *reinterpret_cast<const arch::Vec<T, 2>*>(&w[i]);
+    arch::Vec<M, 2> out;
+    out.v[0] = arch::from_float<M>(arch::to_float(in.v[0]) * factor);
+    out.v[1] = arch::from_float<M>(arch::to_float(in.v[1]) * factor);
+    w[i] = *reinterpret_cast<const uint32_t*>(&out);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The four e4m3 codes of `w` (the first in the low byte) as two fp16 pairs, exactly: lo = codes 0, 1,
+// hi = codes 2, 3 (the halves of one register are cvt's operands as they are, no shift).
+__device__ __forceinline__ void e4m3_pairs(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if MLA_KV_HAS_WGMMA
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+#else
+  lo = hi = w;  // never run: the kernel traps outside sm_90a
+#endif
+}
+// Bytes k and k + 1 of `w` as int8 codes, a pair of bf16 (exact: codes < 256).
+__device__ __forceinline__ uint32_t int8_pair_bf16(uint32_t w, int k) {
+  const float lo = dequant::code_value(__byte_perm(w, 0x4B000000u, 0x7540u + k));
+  const float hi = dequant::code_value(__byte_perm(w, 0x4B000000u, 0x7540u + k + 1));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+// Two codes c (at most 255 for fp16, 127 for bf16) in the low bits of each half of `bits`, as a pair
+// of T: under the exponent of B = 1024 (fp16) or 128 (bf16) a half is B + c, and B goes back out.
+template <class T>
+__device__ __forceinline__ uint32_t code_pair(uint32_t bits) {
+  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  constexpr uint32_t kMagic = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
+  const uint32_t biased = bits | kMagic, magic = kMagic;
+  const Pair r = __hsub2(*reinterpret_cast<const Pair*>(&biased), *reinterpret_cast<const Pair*>(&magic));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// A thread's 16 values of one block of a row (the K pass) or of its 16 output columns (the V pass).
+template <KvFormat F>
+using Raw16 = std::conditional_t<F == KvFormat::kInt4, uint2, uint4>;
+
+template <KvFormat F>
+__device__ __forceinline__ uint32_t raw_word(const Raw16<F>& r, int i) {
+  if constexpr (F == KvFormat::kInt4) return i == 0 ? r.x : r.y;
+  else return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+
+// K pass: k step s of a row's 16 values (features 4 s .. 4 s + 3): lo = features 0, 1, hi = 2, 3.
+template <class T, KvFormat F>
+__device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo, uint32_t& hi) {
+  if constexpr (F == KvFormat::kFp8) {
+    static_assert(std::is_same_v<T, __half>, "fp8 products are fp16");
+    e4m3_pairs(raw_word<F>(raw, s), lo, hi);
+  } else if constexpr (F == KvFormat::kInt8) {
+    const uint32_t w = raw_word<F>(raw, s);
+    if constexpr (std::is_same_v<T, __half>) {
+      lo = code_pair<T>(__byte_perm(w, 0, 0x4140u));
+      hi = code_pair<T>(__byte_perm(w, 0, 0x4342u));
+    } else {
+      lo = int8_pair_bf16(w, 0);
+      hi = int8_pair_bf16(w, 2);
+    }
+  } else {
+    // TurboMind's nibble order: nibbles k and k + 4 of a word are its values 2 k and 2 k + 1.
+    const uint32_t w = raw_word<F>(raw, s / 2);
+    const int k = 2 * (s % 2);
+    lo = code_pair<T>((w >> (4 * k)) & 0x000F000Fu);
+    hi = code_pair<T>((w >> (4 * k + 4)) & 0x000F000Fu);
+  }
+}
+
+// V pass: output column pair i (columns 2 i, 2 i + 1 of the thread's 16) of tokens a and b:
+// c0 = (column 2 i; a, b), c1 = (column 2 i + 1; a, b).
+template <class T, KvFormat F>
+__device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, int i, uint32_t& c0, uint32_t& c1) {
+  if constexpr (F == KvFormat::kInt4) {
+    const int k = i % 4, sh = 4 * (k % 2);
+    const uint32_t x = __byte_perm(raw_word<F>(a, i / 4), raw_word<F>(b, i / 4), k / 2 == 0 ? 0x6420u : 0x7531u);
+    c0 = code_pair<T>((x >> sh) & 0x000F000Fu);
+    c1 = code_pair<T>((x >> (8 + sh)) & 0x000F000Fu);
+  } else {
+    const uint32_t x = __byte_perm(raw_word<F>(a, i / 2), raw_word<F>(b, i / 2), i % 2 == 0 ? 0x5140u : 0x7362u);
+    if constexpr (F == KvFormat::kFp8) {
+      e4m3_pairs(x, c0, c1);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      c0 = code_pair<T>(__byte_perm(x, 0, 0x4140u));
+      c1 = code_pair<T>(__byte_perm(x, 0, 0x4342u));
+    } else {
+      c0 = int8_pair_bf16(x, 0);
+      c1 = int8_pair_bf16(x, 2);
+    }
+  }
+}
+
+template <KvFormat F>
+__device__ __forceinline__ Raw16<F> load_raw(const unsigned char* p) {
+  return *reinterpret_cast<const Raw16<F>*>(p);
+}
+
+// The copy warp: tile t's rows into ring stage t % kStages once that stage's readers have freed it.
+// A tile's rows come in runs, one per lane: where a block's rows lie back to back (row stride = the
+// row's bytes, and blocks of 4 rows or more), a run is all of the tile's rows in one block, moved by
+// one bulk copy (and its int (scale, zero) pairs by another); else a run is one row. Bulk copies of
+// single rows ran the tile ring dry (ncu: the math warps waited on it 59% of the time) at a copy per
+// ~85 cycles. Rows the CTA does not see (past kv_hi, or in no block) are zeros; a run not 16-byte
+// aligned (block pointers) is copied by the lane itself.
+template <KvFormat F, class Rows>
+__device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsigned char* ring, uint64_t* full,
+                                           uint64_t* empty, int lane) {
+  using Fmt = Format<F>;
+  constexpr int kRunsPerLane = kTokens / 32;  // row by row: two rows a lane
+  const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
+  const int per_block = rows.rows_per_block();
+  const bool block_runs = rows.cache.row.row_stride_bytes == Fmt::kRowBytes && per_block >= 4;
+  for (int t = 0; t < tiles; ++t) {
+    const int stage = t % kStages, use = t / kStages, first = w.kv_lo + t * kTokens;
+    const int end = min(first + kTokens, w.kv_hi);
+    const int block0 = first - block_offset(first, per_block);  // first position of first's block
+    unsigned char* dst = ring + stage * Fmt::kStageBytes;
+    unsigned char* dst_pairs = dst + kTokens * Fmt::kRowBytes;
+    int lo[kRunsPerLane], hi[kRunsPerLane];  // the lane's runs of positions [lo, hi)
+    const char* base[kRunsPerLane];
+    bool bulk[kRunsPerLane], bulk_pairs[kRunsPerLane];
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int k = 0; k < kRunsPerLane; ++k) {
+      const int r = lane + 32 * k;
+      lo[k] = block_runs ? max(first, block0 + r * per_block) : first + r;
+      hi[k] = block_runs ? min(block0 + (r + 1) * per_block, end) : min(lo[k] + 1, end);
+      if (block_runs && k > 0) hi[k] = lo[k];  // (kTokens - 1) / 4 + 2 runs at most: lane r has run r
+      base[k] = lo[k] < hi[k] ? rows.block_base(w.b, lo[k]) : nullptr;
+      const char* src = base[k] ? rows.row_in_block(base[k], lo[k]) : nullptr;
+      const int n = hi[k] - lo[k], at = lo[k] - first;
+      bulk[k] = src != nullptr && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+      bulk_pairs[k] = false;
+      if constexpr (Fmt::kTrailer) {
+        const char* pairs = base[k] ? trailer_pair(rows, base[k], lo[k]) : nullptr;
+        bulk_pairs[k] = pairs != nullptr && (reinterpret_cast<uintptr_t>(pairs) & 15) == 0 && n % 4 == 0 && at % 4 == 0;
+      }
+      bytes += (bulk[k] ? n * Fmt::kRowBytes : 0) + (bulk_pairs[k] ? 4 * n : 0);
+    }
+    if (use > 0) arch::mbarrier_wait(&empty[stage], (use - 1) & 1);
+    bytes = __reduce_add_sync(0xffffffffu, bytes);
+    if (lane == 0) arch::mbarrier_arrive_expect(&full[stage], bytes);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < kRunsPerLane; ++k) {
+      const int n = hi[k] - lo[k], at = lo[k] - first;
+      if (n <= 0) continue;
+      unsigned char* to = dst + at * Fmt::kRowBytes;
+      if (bulk[k]) {
+        arch::bulk_load(to, rows.row_in_block(base[k], lo[k]), n * Fmt::kRowBytes, &full[stage]);
+      } else if (base[k] != nullptr) {
+        const char* src = rows.row_in_block(base[k], lo[k]);  // rows back to back here when n > 1
+        for (int b = 0; b < n * Fmt::kRowBytes; ++b) to[b] = static_cast<unsigned char>(src[b]);
+      } else {
+        for (int b = 0; b < n * Fmt::kRowBytes; b += 16) *reinterpret_cast<int4*>(to + b) = make_int4(0, 0, 0, 0);
+      }
+      if constexpr (Fmt::kTrailer) {
+        if (bulk_pairs[k]) {
+          arch::bulk_load(dst_pairs + 4 * at, trailer_pair(rows, base[k], lo[k]), 4 * n, &full[stage]);
+        } else {
+          for (int i = 0; i < n; ++i)
+            reinterpret_cast<uint32_t*>(dst_pairs)[at + i] =
+                base[k] ? __ldg(reinterpret_cast<const unsigned*>(trailer_pair(rows, base[k], lo[k] + i))) : 0u;
+        }
+      }
+    }
+    for (int i = end - first + lane; i < kTokens; i += 32) {  // past kv_hi
+      for (int b = 0; b < Fmt::kRowBytes; b += 16)
+        *reinterpret_cast<int4*>(dst + i * Fmt::kRowBytes + b) = make_int4(0, 0, 0, 0);
+      if constexpr (Fmt::kTrailer) reinterpret_cast<uint32_t*>(dst_pairs)[i] = 0u;
+    }
+    arch::mbarrier_arrive(&full[stage]);
+  }
+}
+
+template <class T, class Rows, KvFormat F, int N>
+__global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
+  if constexpr (arch::target_supports<arch::Sm90>()) {
+    using Fmt = Format<F>;
+    using S = Smem<F, N>;
+    using M = typename Fmt::template Product<T>;  // the products' 16-bit type
+    using Mma = arch::WgmmaRegA<M, N>;
+    constexpr bool kScaledQ = !std::is_same_v<M, T>;
+    constexpr int kCols = N / 4;  // score columns of a thread
+    // The V pass's bytes are loaded a k step ahead, but for N = 32, whose accumulators leave no room.
+    constexpr bool kPrefetchV = N <= 24;
+    constexpr bool kInt = Fmt::kTrailer;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = arch::aligned_smem(smem_raw);
+    unsigned char* q_s = smem + S::kQ;
+    unsigned char* ring = smem + S::kRing;
+    float* colmax_s = reinterpret_cast<float*>(smem + S::kStats);  // [group][warp][N]
+    float* qsum_s = colmax_s + kGroups * 4 * N;                    // [N]
+    float* l_s = qsum_s + N;                                       // [group][warp][N]
+    float* corr_s = l_s + kGroups * 4 * N;                         // [group][warp][N]
+    float* m_s = corr_s + kGroups * 4 * N;                         // [group][N]
+    int* q_exp_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
+    uint64_t* empty = full + kStages;
+
+    Work w;
+    if (!find_work<N>(p, w)) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rows_here = min(N, w.q_len * p.num_heads - w.row0);
+    const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
+    if (tid < kStages) {
+      arch::mbarrier_init(&full[tid], 33);  // the copy warp's lanes, and lane 0's byte count
+      arch::mbarrier_init(&empty[tid], 128);
+    }
+    if constexpr (kScaledQ) {  // each q row's power of two (the top of the file)
+      for (int n = warp; n < N; n += kThreads / 32) {
+        const T* src = q_row<T>(p, w, n, rows_here);
+        float amax = 0.f;
+        if (src)
+          for (int k = lane; k < kRowDim; k += 32) amax = fmaxf(amax, fabsf(arch::to_float(src[k])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        if (lane == 0) q_exp_s[n] = amax > 0.f && amax <= FLT_MAX ? ilogbf(amax) - 14 : 0;
+      }
+      __syncthreads();
+    }
+    // Q^T in the permuted feature order: thread unit (n, j, c) moves q[n][64 j + 16 c .. + 15].
+    for (int v = tid; v < N * kBlocks * 4; v += kThreads) {
+      const int n = v / (kBlocks * 4), j = (v / 4) % kBlocks, c = v % 4;
+      const T* src = q_row<T>(p, w, n, rows_here);
+      uint4 x[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (src) {
+        x[0] = *reinterpret_cast<const uint4*>(src + 64 * j + 16 * c);
+        x[1] = *reinterpret_cast<const uint4*>(src + 64 * j + 16 * c + 8);
+        if constexpr (kScaledQ) {
+          const float down = ldexpf(1.f, -q_exp_s[n]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) x[h] = scaled_pairs<T, M>(x[h], down);
+        }
+      }
+      const uint32_t words[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+      unsigned char* chunk = q_s + j * N * arch::kSwizzleRowBytes;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s) + 4 * c) = words[2 * s];
+        *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s + 1) + 4 * c) = words[2 * s + 1];
+      }
+    }
+    arch::fence_proxy_async();
+    __syncthreads();  // Q^T and the mbarriers are ready
+    if (warp >= kMathThreads / 32) {
+      arch::shrink_registers<kCopyRegisters>();
+      if (warp == kMathThreads / 32) copy_tiles<F>(rows, w, ring, full, empty, lane);
+      return;
+    }
+    arch::grow_registers<kMathRegisters>();
+    if constexpr (kInt) {  // the row sums of q (any order: its values are exact in fp32)
+      for (int n = warp; n < N; n += kMathThreads / 32) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j) {
+          const arch::Vec<T, 2> v =
+              *reinterpret_cast<const arch::Vec<T, 2>*>(q_s + j * N * arch::kSwizzleRowBytes + n * arch::kSwizzleRowBytes + 4 * lane);
+          sum += arch::to_float(v.v[0]) + arch::to_float(v.v[1]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) qsum_s[n] = sum;
+      }
+      arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
+    }
+
+    const int group = __shfl_sync(0xffffffffu, warp / 4, 0);
+    const int wq = warp % 4, g = lane / 4, c = lane % 4;
+    const int r0 = 16 * wq + g;  // the thread's score rows (tokens) r0, r0 + 8
+    const int u = 8 * wq + g;    // its output columns 16 u .. 16 u + 15
+    const RowLayout& layout = rows.cache.row;
+    const int latent_byte = dequant::vector_byte(F, stored_column(layout, 0));
+    const int rope_byte = dequant::vector_byte(F, stored_column(layout, kLatentDim));
+    const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
+    const float scale_log2 = p.softmax_scale * kLog2e * kv_scale;
+    unsigned char* p_s = smem + S::kP + group * N * arch::kSwizzleRowBytes;
+    const uint64_t q_desc = arch::swizzled_desc(q_s, 16, arch::kSwizzleAtomBytes);
+    const uint64_t p_desc = arch::swizzled_desc(p_s, 16, arch::kSwizzleAtomBytes);
+    auto col_of = [&](int q) { return 8 * (q / 2) + 2 * c + (q % 2); };
+    // The V pass's bytes of k step s: the thread's 16 columns of token 16 s + c + {0, 8, 4, 12}[k].
+    auto v_raw = [&](const unsigned char* st, int s, int k) {
+      const int token = 16 * s + c + (k == 0 ? 0 : k == 1 ? 8 : k == 2 ? 4 : 12);
+      return load_raw<F>(st + token * Fmt::kRowBytes + latent_byte + u * Fmt::kThreadBytes);
+    };
+    float col_scale[kCols];  // a column's score scale: its q row's power of two goes back in here
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) col_scale[q] = kScaledQ ? ldexpf(scale_log2, q_exp_s[col_of(q)]) : scale_log2;
+
+    float acc[8][N / 2];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) acc[i][k] = 0.f;
+    float m_run[kCols], l_run[kCols], corr_run[kCols];
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) m_run[q] = -INFINITY, l_run[q] = 0.f, corr_run[q] = 0.f;
+
+    for (int t = group; t < tiles; t += kGroups) {
+      const int stage = t % kStages, first = w.kv_lo + t * kTokens;
+      const unsigned char* st = ring + stage * Fmt::kStageBytes;
+      arch::mbarrier_wait(&full[stage], (t / kStages) & 1);
+      float row_scale[2] = {1.f, 1.f}, row_zero[2] = {0.f, 0.f};
+      if constexpr (kInt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float2 sz = dequant::scale_zero<T>(reinterpret_cast<const uint32_t*>(st + kTokens * Fmt::kRowBytes)[r0 + 8 * h]);
+          row_scale[h] = sz.x;
+          row_zero[h] = sz.y;
+        }
+      }
+      // S^T = K . Q^T, a 64-feature block per batch of 4 wgmmas; the next block converts under it.
+      float sc[N / 2];
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) sc[k] = 0.f;
+      Raw16<F> v_next[4];  // the V pass's first k step, loaded under the softmax
+      {
+        auto k_raw = [&](int j, int row) {
+          const int byte = (j < 8 ? latent_byte + j * Fmt::kBlockBytes : rope_byte) + c * Fmt::kThreadBytes;
+          return load_raw<F>(st + row * Fmt::kRowBytes + byte);
+        };
+        uint32_t a[2][4][4];
+        // Block j + 1's bytes are loaded before block j converts: the load's latency hides under it.
+        Raw16<F> n0 = k_raw(0, r0), n1 = k_raw(0, r0 + 8);
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j) {
+          const Raw16<F> x0 = n0, x1 = n1;
+          if (j + 1 < kBlocks) {
+            n0 = k_raw(j + 1, r0);
+            n1 = k_raw(j + 1, r0 + 8);
+          } else if constexpr (kPrefetchV) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) v_next[k] = v_raw(st, 0, k);
+          }
+          if (j >= 2) arch::wgmma_wait<1>();  // block j - 2's wgmmas have read a[j % 2]
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            k_pairs<M, F>(x0, s, a[j % 2][s][0], a[j % 2][s][2]);
+            k_pairs<M, F>(x1, s, a[j % 2][s][1], a[j % 2][s][3]);
+          }
+          arch::wgmma_fence();
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            Mma::mma(sc, a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
+          arch::wgmma_commit();
+        }
+        arch::wgmma_wait<0>();
+        arch::pin_registers(sc);
+      }
+      // Online softmax over the tile's tokens, column by column (a column is a (token, head) row).
+      float tile_max[kCols];
+#pragma unroll
+      for (int q = 0; q < kCols; ++q) {
+        const int col = col_of(q);
+        const int limit = kv_limit(p, w, col, rows_here);
+        const float qsum = kInt ? qsum_s[col] : 0.f;
+        tile_max[q] = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
+          if constexpr (kInt) x = row_scale[h] * x + row_zero[h] * qsum;
+          x = first + r0 + 8 * h < limit ? x * col_scale[q] : -INFINITY;
+          tile_max[q] = fmaxf(tile_max[q], x);
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) tile_max[q] = fmaxf(tile_max[q], __shfl_xor_sync(0xffffffffu, tile_max[q], o));
+        if (g == 0) colmax_s[(group * 4 + wq) * N + col] = tile_max[q];
+      }
+      arch::named_barrier_sync(1 + group, 128);
+      float alpha[kCols];
+#pragma unroll
+      for (int q = 0; q < kCols; ++q) {
+        const int col = col_of(q);
+        float tm = colmax_s[(group * 4) * N + col];
+#pragma unroll
+        for (int k = 1; k < 4; ++k) tm = fmaxf(tm, colmax_s[(group * 4 + k) * N + col]);
+        const float m = raised_max(m_run[q], tm);
+        alpha[q] = rescale_factor<true>(m_run[q], m);
+        m_run[q] = m;
+        l_run[q] *= alpha[q];
+        corr_run[q] *= alpha[q];
+        float pr[2];
+        uint32_t pair;
+        {
+          arch::Vec<M, 2> pv;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float x = sc[4 * (q / 2) + 2 * h + (q % 2)];
+            pr[h] = m == -INFINITY ? 0.f : arch::exp2_ftz(x - m + Fmt::kPShift);
+            l_run[q] += pr[h];
+            pv.v[h] = arch::from_float<M>(kInt ? pr[h] * row_scale[h] : pr[h]);
+            if constexpr (kInt) corr_run[q] += pr[h] * row_zero[h];
+          }
+          pair = *reinterpret_cast<const uint32_t*>(&pv);
+        }
+        // P^T [col][token slot]: the thread's tokens r0, r0 + 8 are slots 16 wq + 2 g, + 1.
+        *reinterpret_cast<uint32_t*>(p_s + arch::swizzled_offset(col, 2 * wq + g / 4) + 4 * (g % 4)) = pair;
+      }
+      arch::fence_proxy_async();
+      arch::named_barrier_sync(1 + group, 128);  // P^T is complete (and colmax_s read)
+#pragma unroll
+      for (int q = 0; q < kCols; ++q)
+        if (alpha[q] != 1.f) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            acc[i][4 * (q / 2) + (q % 2)] *= alpha[q];
+            acc[i][4 * (q / 2) + 2 + (q % 2)] *= alpha[q];
+          }
+        }
+      // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; half of the
+      // 8 M tiles per batch of wgmmas, the other half converting under it.
+      {
+        uint32_t a[2][4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          Raw16<F> x[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if constexpr (kPrefetchV) {
+              x[k] = v_next[k];
+              if (s + 1 < 4) v_next[k] = v_raw(st, s + 1, k);
+            } else {
+              x[k] = v_raw(st, s, k);
+            }
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int batch = 2 * s + half;
+            if (batch >= 2) arch::wgmma_wait<1>();
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii) {
+              v_pairs<M, F>(x[0], x[1], 4 * half + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
+              v_pairs<M, F>(x[2], x[3], 4 * half + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
+            }
+            arch::wgmma_fence();
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii)
+              Mma::mma(acc[4 * half + ii], a[batch % 2][ii], arch::desc_advance(p_desc, s * 32), 1);
+            arch::wgmma_commit();
+          }
+        }
+        arch::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) arch::pin_registers(acc[i]);
+      }
+      arch::mbarrier_arrive(&empty[stage]);
+    }
+
+    // Epilogue: the two warpgroups' states meet in shared memory; warpgroup 0 writes the rows.
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) {
+      float l = l_run[q], cr = corr_run[q];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        l += __shfl_xor_sync(0xffffffffu, l, o);
+        cr += __shfl_xor_sync(0xffffffffu, cr, o);
+      }
+      if (g == 0) {
+        l_s[(group * 4 + wq) * N + col_of(q)] = l;
+        corr_s[(group * 4 + wq) * N + col_of(q)] = cr;
+        if (wq == 0) m_s[group * N + col_of(q)] = m_run[q];
+      }
+    }
+    arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);  // and every tile is read: the ring is free
+    float* merge = reinterpret_cast<float*>(ring);  // [N][512]: warpgroup 1's O, at the merged max
+    float factor[kCols], total_l[kCols], total_corr[kCols], merged_max[kCols];
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) {
+      const int col = col_of(q);
+      const float m0 = m_s[col], m1 = m_s[N + col], m = fmaxf(m0, m1);
+      const float f0 = m0 == -INFINITY ? 0.f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.f : exp2f(m1 - m);
+      float l0 = 0.f, l1 = 0.f, c0 = 0.f, c1 = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        l0 += l_s[k * N + col];
+        l1 += l_s[(4 + k) * N + col];
+        c0 += corr_s[k * N + col];
+        c1 += corr_s[(4 + k) * N + col];
+      }
+      factor[q] = group == 0 ? f0 : f1;
+      total_l[q] = l0 * f0 + l1 * f1;
+      total_corr[q] = c0 * f0 + c1 * f1;
+      merged_max[q] = m;
+    }
+    if (group == 1) {
+#pragma unroll
+      for (int q = 0; q < kCols; ++q) {
+        float* dst = merge + col_of(q) * kLatentDim + 16 * u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          *reinterpret_cast<float2*>(dst + 2 * i) = make_float2(acc[i][4 * (q / 2) + (q % 2)] * factor[q],
+                                                                acc[i][4 * (q / 2) + 2 + (q % 2)] * factor[q]);
+      }
+    }
+    arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
+    if (group == 1) return;
+    const bool split = p.num_splits > 1;
+    const int64_t total_rows = p.total_q_tokens * p.num_heads;
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) {
+      const int col = col_of(q);
+      if (col >= rows_here) continue;
+      const float l = total_l[q];
+      const float inv = l > 0.f ? kv_scale / l : 0.f;
+      const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
+      const int64_t flat = (w.token_base + s) * p.num_heads + h;
+      const float* other = merge + col * kLatentDim + 16 * u;
+      float o[16];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 b = *reinterpret_cast<const float2*>(other + 2 * i);
+        o[2 * i] = (acc[i][4 * (q / 2) + (q % 2)] * factor[q] + b.x + total_corr[q]) * inv;
+        o[2 * i + 1] = (acc[i][4 * (q / 2) + 2 + (q % 2)] * factor[q] + b.y + total_corr[q]) * inv;
+      }
+      if (split) {
+        float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
+#pragma unroll
+        for (int k = 0; k < 16; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(o[k], o[k + 1], o[k + 2], o[k + 3]);
+      } else {
+        T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b * (p.cu_q_lens == nullptr) +
+                 (w.token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h + 16 * u;
+#pragma unroll
+        for (int k = 0; k < 16; k += 2) {
+          arch::Vec<T, 2> v;
+          v.v[0] = arch::from_float<T>(o[k]);
+          v.v[1] = arch::from_float<T>(o[k + 1]);
+          arch::store<T, 2>(dst + k, v);
+        }
+      }
+      if (u == 0) {
+        const float lse = l > 0.f ? (merged_max[q] - Fmt::kPShift + log2f(l)) * kLn2 : -INFINITY;
+        if (split) {
+          float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
+          ws_lse[blockIdx.y * total_rows + flat] = lse;
+        } else {
+          p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
+                (w.token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
+        }
+      }
+    }
+  } else {
+    __trap();  // the host never launches a tag the compiled target cannot run
+  }
+}
+
+// Decode steps whose (token, head) rows fit N = 16, 24 or 32 columns, in uniform batches (a packed batch's
+// sequences may have more rows: the 64-row kernel takes those), unless the caller asked for the
+// cp.async tile loads (the 64-row kernel's, which the tests also run).
+inline int columns_for(const AttentionParams& p) {
+  if (p.cu_q_lens != nullptr || p.tile_loads != TileLoads::kAuto) return 0;
+  const int64_t rows = int64_t(p.q_len) * p.num_heads;
+  return rows <= 16 ? 16 : rows <= 24 ? 24 : rows <= 32 ? 32 : 0;
+}
+
+template <class T, class Rows, KvFormat F, int N>
+Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
+  const auto kernel = attention_narrow_kernel<T, Rows, F, N>;
+  constexpr int kBytes = int(Smem<F, N>::kBytes);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
+    return Status::kCudaError;
+  const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
+  kernel<<<dim3(grid_x, p.num_splits), kThreads, kBytes, stream>>>(p, rows);
+  return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
+}
+
+}  // namespace narrow
+}  // namespace attention_detail
+}  // namespace mla_kv
