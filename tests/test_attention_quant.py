@@ -195,7 +195,7 @@ DECODE_CASES = {
     "sq1-h16-bs64": dict(s_q=1, heads=16, block_size=64, lens=[1, 64, 650], shared=0, splits=5),
     "sq2-h7-bs32": dict(s_q=2, heads=7, block_size=32, lens=[33, 1, 333], shared=1, splits=3),  # query 0 of b=1 sees no key
     "sq1-h20-bs16": dict(s_q=1, heads=20, block_size=16, lens=[16, 17, 300], shared=1, splits=4),
-    # 30 (token, head) rows: the narrow kernel's widest tile (N = 32; 16 and 24 above)
+    # 30 (token, head) rows: past the narrow kernel's widest tile (N = 24), the 64-row kernel's
     "sq2-h15-bs64": dict(s_q=2, heads=15, block_size=64, lens=[2, 129, 200], shared=1, splits=2),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
@@ -317,10 +317,10 @@ def reads_exact_codes(kv_format, arch, rows, schedule):
     """Whether the launch takes Hopper's narrow decode kernel (attention_sm90_narrow.cuh), which feeds its
     MMAs the codes themselves and applies the scales in fp32: it then matches the spec at the 16-bit
     tolerances, and the reference over values rounded to q's dtype is not what it computes. It serves
-    uniform decode batches of up to 32 (token, head) rows over fp8 / int8 / int4 caches, with the
+    uniform decode batches of up to 24 (token, head) rows over fp8 / int8 / int4 caches, with the
     default tile loads ("cp.async" keeps the 64-row kernel, whose dequantization the tests run so)."""
     return (arch is None and torch.cuda.get_device_capability() == (9, 0) and kv_format in ("fp8", "int8", "int4")
-            and rows <= 32 and (schedule is None or schedule.tile_loads == "auto"))
+            and rows <= 24 and (schedule is None or schedule.tile_loads == "auto"))
 
 
 def run_decode_case(kv_format, dtype, case, form, arch):

@@ -242,7 +242,7 @@ struct WgmmaRegA;
   };
 
 // The narrow kernel's shapes (attention_sm90_narrow.cuh): m64nNk16, A from registers, B K-major,
-// N = 16, 24 or 32 (8, 12 or 16 accumulator registers).
+// N = 16 or 24 (8 or 12 accumulator registers).
 #define MLA_KV_WGMMA_NARROW(T, PTX_TYPE)                                                                          \
   template <> struct WgmmaRegA<T, 16> {                                                                          \
     static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -261,18 +261,6 @@ struct WgmmaRegA;
                    " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
                      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])                                \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                       \
-    }                                                                                                            \
-  };                                                                                                             \
-  template <> struct WgmmaRegA<T, 32> {                                                                          \
-    static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                  \
-                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE                          \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"                  \
-                   " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                               \
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-                     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),     \
-                     "+f"(d[14]), "+f"(d[15])                                                                    \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                       \
     }                                                                                                            \
   };

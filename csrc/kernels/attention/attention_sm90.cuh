@@ -721,9 +721,7 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
   if constexpr (narrow::supports(F)) {
     const int columns = narrow::columns_for(p);
     if (columns != 0) {
-      st = columns == 16   ? narrow::launch<T, Rows, F, 16>(p, rows, stream)
-           : columns == 24 ? narrow::launch<T, Rows, F, 24>(p, rows, stream)
-                           : narrow::launch<T, Rows, F, 32>(p, rows, stream);
+      st = columns == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, stream) : narrow::launch<T, Rows, F, 24>(p, rows, stream);
       if (st != Status::kOk) return st;
       return launch_combine<T>(p, stream);
     }

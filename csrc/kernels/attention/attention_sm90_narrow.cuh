@@ -6,7 +6,7 @@
 // then sets the pace (RESULTS.md, quantized decode). Here the products are transposed:
 //   S^T [64 tokens x N rows] = K [64 x 576] . Q^T,   O^T [512 x N] += V^T [512 x 64] . P^T,
 // with the cache tile as wgmma's A operand, converted from its raw bytes into registers (the
-// mma.sync fragment layout) by the math threads themselves, and Q^T / P^T (N = 16 or 32 rows) as
+// mma.sync fragment layout) by the math threads themselves, and Q^T / P^T (N = 16 or 24 rows) as
 // the K-major B operand in shared memory. No value is rounded on the way in: e4m3 and int codes are
 // exact in either 16-bit type, and the scales go where they cost nothing:
 //   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
@@ -50,7 +50,7 @@ constexpr int kStages = 4;    // tile buffers of the ring: two per warpgroup
 constexpr int kMathThreads = 128 * kGroups;
 constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
 // The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
-constexpr int kMathRegisters = 232, kCopyRegisters = 40;
+constexpr int kMathRegisters = 224, kCopyRegisters = 56;
 static_assert((kGroups * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "the CTA's register pool");
 constexpr int kBlocks = kRowDim / 64;        // 64-feature blocks of a row: 8 latent, 1 rope
@@ -279,8 +279,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     using Mma = arch::WgmmaRegA<M, N>;
     constexpr bool kScaledQ = !std::is_same_v<M, T>;
     constexpr int kCols = N / 4;  // score columns of a thread
-    // The V pass's bytes are loaded a k step ahead, but for N = 32, whose accumulators leave no room.
-    constexpr bool kPrefetchV = N <= 24;
     constexpr bool kInt = Fmt::kTrailer;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = arch::aligned_smem(smem_raw);
@@ -425,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           if (j + 1 < kBlocks) {
             n0 = k_raw(j + 1, r0);
             n1 = k_raw(j + 1, r0 + 8);
-          } else if constexpr (kPrefetchV) {
+          } else {
 #pragma unroll
             for (int k = 0; k < 4; ++k) v_next[k] = v_raw(st, 0, k);
           }
@@ -513,12 +511,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           Raw16<F> x[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            if constexpr (kPrefetchV) {
-              x[k] = v_next[k];
-              if (s + 1 < 4) v_next[k] = v_raw(st, s + 1, k);
-            } else {
-              x[k] = v_raw(st, s, k);
-            }
+            x[k] = v_next[k];
+            if (s + 1 < 4) v_next[k] = v_raw(st, s + 1, k);
           }
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
@@ -640,13 +634,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
   }
 }
 
-// Decode steps whose (token, head) rows fit N = 16, 24 or 32 columns, in uniform batches (a packed batch's
+// Decode steps whose (token, head) rows fit N = 16 or 24 columns, in uniform batches (a packed batch's
 // sequences may have more rows: the 64-row kernel takes those), unless the caller asked for the
 // cp.async tile loads (the 64-row kernel's, which the tests also run).
 inline int columns_for(const AttentionParams& p) {
   if (p.cu_q_lens != nullptr || p.tile_loads != TileLoads::kAuto) return 0;
   const int64_t rows = int64_t(p.q_len) * p.num_heads;
-  return rows <= 16 ? 16 : rows <= 24 ? 24 : rows <= 32 ? 32 : 0;
+  // N = 32 (25-32 rows) spills beside its 128 accumulators: the 64-row kernel takes those.
+  return rows <= 16 ? 16 : rows <= 24 ? 24 : 0;
 }
 
 template <class T, class Rows, KvFormat F, int N>
