@@ -2,6 +2,7 @@
 parser (samples in the tool's format: compute-sanitizer 2023+ locations 'FUNC+0xOFF in FILE:LINE',
 older 'at 0xOFF in FILE:LINE:FUNC'), the matching of reports to entries, and the table's verdict."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -183,18 +184,21 @@ def test_a_shard_clean_alone_passes(tmp_path):
 
 
 def test_allow_list_pins_the_hopper_handoffs_it_names():
-    """The racecheck entries pin lines of attention_sm90.cuh, which move with every edit there: each
-    pinned line must still touch the shared buffer the entry's reason names first (max_s, sum_s, probs),
-    else the entry allows a different access than it says (or none)."""
+    """The racecheck entries pin lines of the Hopper kernels' headers, which move with every edit there:
+    each pinned line must still touch a shared buffer the entry's reason names first ("max_s:",
+    "m_s / l_s / corr_s (...)"), else the entry allows a different access than it says (or none)."""
     repo = Path(__file__).resolve().parent.parent
-    source = (repo / "csrc/kernels/attention/attention_sm90.cuh").read_text().splitlines()
+    headers = ("attention_sm90.cuh", "attention_sm90_narrow.cuh")
+    sources = {h: (repo / "csrc/kernels/attention" / h).read_text().splitlines() for h in headers}
     entries = [e for e in sanitize.parse_allow_list((repo / "scripts/sanitize-allow.txt").read_text())
-               if e.sites and "attention_sm90.cuh" in e.sites]
-    assert entries
+               if e.sites and any(h in e.sites for h in headers)]
+    assert {h for e in entries for h in headers if h in e.sites} == set(headers)
     for entry in entries:
-        name = entry.reason.split()[0].rstrip(":")
-        for lo, hi in entry.sites["attention_sm90.cuh"]:
-            for number in range(lo, hi + 1):
-                assert name in source[number - 1], (
-                    f"sanitize-allow.txt:{entry.line}: attention_sm90.cuh:{number} no longer touches {name}: "
-                    f"{source[number - 1].strip()!r}")
+        names = re.split(r"[:(]", entry.reason, maxsplit=1)[0].replace("/", " ").split()
+        for header in headers:
+            for lo, hi in entry.sites.get(header, []):
+                for number in range(lo, hi + 1):
+                    line = sources[header][number - 1]
+                    assert any(name in line for name in names), (
+                        f"sanitize-allow.txt:{entry.line}: {header}:{number} no longer touches {' / '.join(names)}: "
+                        f"{line.strip()!r}")

@@ -192,6 +192,18 @@ __device__ __forceinline__ Raw16<F> load_raw(const unsigned char* p) {
   return *reinterpret_cast<const Raw16<F>*>(p);
 }
 
+// The warp's sum of x: sm80's redux where the target has it (the kernel runs on sm90 only, but its
+// header is compiled for every target of the .cu, sm70's included).
+__device__ __forceinline__ uint32_t warp_total(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(0xffffffffu, x);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+#endif
+}
+
 // The copy warp: tile t's rows into ring stage t % kStages once that stage's readers have freed it.
 // A tile's rows come in runs, one per lane: where a block's rows lie back to back (row stride = the
 // row's bytes, and blocks of 4 rows or more), a run is all of the tile's rows in one block, moved by
@@ -235,7 +247,7 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
       bytes += (bulk[k] ? n * Fmt::kRowBytes : 0) + (bulk_pairs[k] ? 4 * n : 0);
     }
     if (use > 0) arch::mbarrier_wait(&empty[stage], (use - 1) & 1);
-    bytes = __reduce_add_sync(0xffffffffu, bytes);
+    bytes = warp_total(bytes);
     if (lane == 0) arch::mbarrier_arrive_expect(&full[stage], bytes);
     __syncwarp();
 #pragma unroll
