@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Options each op must keep (scripts/gpu-check, RESULTS.md and docs/ call them).
 OPTIONS = {
     "write": ["--quick", "--json", "--plot", "--heads-q", "--kv-formats"],
-    "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only"],
+    "decode": ["--quick", "--json", "--plot", "--arch", "--gpu", "--only", "--kv-formats"],
     "gather": ["--quick", "--json", "--plot"],
     "prefill": ["--quick", "--json", "--plot", "--routes", "--arch", "--table", "--check"],
     "expanded": ["--quick", "--json", "--plot"],
     "cp": ["--quick", "--json", "--gpus", "--part"],
-    "profile_decode": ["--times"],
+    "profile_decode": ["--times", "--kv-format"],
 }
 
 
@@ -133,6 +133,14 @@ def test_bad_bench_arguments_exit_2_with_one_line(argv, capsys):
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1 and "error:" in captured.err
+
+
+def test_profile_decode_refuses_an_unknown_kv_format_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["profile_decode", "1", "64", "16", "--kv-format", "fp9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-format" in err and "'fp9'" in err and "int4" in err and "needs a CUDA GPU" not in err
 
 
 @pytest.mark.parametrize("path, written", [

@@ -71,14 +71,12 @@ def main(argv=None, prog=None):
     ap.add_argument("heads", type=int, nargs="?", metavar="H", help="attention heads")
     ap.add_argument("dtype", nargs="?", default="bfloat16", choices=("float16", "bfloat16"), metavar="dtype",
                     help="float16 or bfloat16 (default %(default)s)")
-    ap.add_argument("--kv-format", default=None, metavar="F",
+    ap.add_argument("--kv-format", default=None, metavar="F", choices=[f for f in mla_kv.layout.KV_FORMATS if f],
                     help="a quantized cache of this format (fp8, fp8_ds_mla, int8, int4) instead of 16-bit rows")
     ap.add_argument("--times", action="store_true", help="per-kernel GPU times of the decode cases RESULTS.md quotes")
     args = ap.parse_args(argv)
     if not args.times and args.heads is None:
         ap.error("give B CTX H [dtype], or --times")
-    if args.kv_format is not None:
-        mla_kv.layout.check_kv_format(args.kv_format, "--kv-format")
     if not common.kernels_present(prog or "profile_decode"):
         return 1
     if args.times:
