@@ -48,5 +48,20 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t code) {
   return __uint_as_float(((code & 0x80u) << 24) | (mag << 20)) * 0x1p120f;
 }
 
+// Four e4m3 bytes of `w` (the first in the low byte) as two fp16 pairs, exactly: lo = bytes 0, 1,
+// hi = bytes 2, 3. sm89+ converts a pair by one cvt, which takes the register's halves as they are
+// (no shift); older targets take the integer path (e4m3 values are all exact in fp16).
+__device__ __forceinline__ void e4m3x4_to_halves(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+#else
+  const __half2 a = __floats2half2_rn(e4m3_to_float(w & 0xFFu), e4m3_to_float((w >> 8) & 0xFFu));
+  const __half2 b = __floats2half2_rn(e4m3_to_float((w >> 16) & 0xFFu), e4m3_to_float(w >> 24));
+  lo = *reinterpret_cast<const uint32_t*>(&a);
+  hi = *reinterpret_cast<const uint32_t*>(&b);
+#endif
+}
+
 }  // namespace arch
 }  // namespace mla_kv

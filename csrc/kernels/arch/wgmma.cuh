@@ -181,7 +181,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // 8-column block j, d[4 j + 2 h + e] = D[16 w + l / 4 + 8 h][8 j + 2 (l % 4) + e].
 template <class T, int N, bool kBMnMajor>
 struct Wgmma;
-// D[64 x N] += A[64 x 16] (registers, as above) . B[16 x N] (shared memory, K-major), N = 16 or 32.
+// D[64 x N] += A[64 x 16] (registers, as above) . B[16 x N] (shared memory, K-major), N = 16 or 24.
 template <class T, int N>
 struct WgmmaRegA;
 

@@ -35,6 +35,7 @@
 
 #include <type_traits>
 
+#include "../arch/fp8.cuh"
 #include "../arch/wgmma.cuh"
 #include "../dequant.cuh"
 #include "attention_launch.h"
@@ -102,16 +103,6 @@ __device__ __forceinline__ uint4 scaled_pairs(uint4 x, float factor) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The four e4m3 codes of `w` (the first in the low byte) as two fp16 pairs, exactly: lo = codes 0, 1,
-// hi = codes 2, 3 (the halves of one register are cvt's operands as they are, no shift).
-__device__ __forceinline__ void e4m3_pairs(uint32_t w, uint32_t& lo, uint32_t& hi) {
-#if MLA_KV_HAS_WGMMA
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-#else
-  lo = hi = w;  // never run: the kernel traps outside sm_90a
-#endif
-}
 // Bytes k and k + 1 of `w` as int8 codes, a pair of bf16 (exact: codes < 256).
 __device__ __forceinline__ uint32_t int8_pair_bf16(uint32_t w, int k) {
   const float lo = dequant::code_value(__byte_perm(w, 0x4B000000u, 0x7540u + k));
@@ -145,7 +136,7 @@ template <class T, KvFormat F>
 __device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo, uint32_t& hi) {
   if constexpr (F == KvFormat::kFp8) {
     static_assert(std::is_same_v<T, __half>, "fp8 products are fp16");
-    e4m3_pairs(raw_word<F>(raw, s), lo, hi);
+    arch::e4m3x4_to_halves(raw_word<F>(raw, s), lo, hi);
   } else if constexpr (F == KvFormat::kInt8) {
     const uint32_t w = raw_word<F>(raw, s);
     if constexpr (std::is_same_v<T, __half>) {
@@ -176,7 +167,7 @@ __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, in
   } else {
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 2), raw_word<F>(b, i / 2), i % 2 == 0 ? 0x5140u : 0x7362u);
     if constexpr (F == KvFormat::kFp8) {
-      e4m3_pairs(x, c0, c1);
+      arch::e4m3x4_to_halves(x, c0, c1);
     } else if constexpr (std::is_same_v<T, __half>) {
       c0 = code_pair<T>(__byte_perm(x, 0, 0x4140u));
       c1 = code_pair<T>(__byte_perm(x, 0, 0x4342u));
