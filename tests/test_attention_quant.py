@@ -323,10 +323,18 @@ def reads_exact_codes(kv_format, arch, rows, schedule):
             and rows <= 24 and (schedule is None or schedule.tile_loads == "auto"))
 
 
-def run_decode_case(kv_format, dtype, case, form, arch):
+def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
+    """The case's decode on every schedule; plant(cache, q_full, form) -> q_full replaces its queries."""
     c = DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
-    refs = decode_refs(kv_format, dtype, case, form)
+    if plant is None:
+        refs = decode_refs(kv_format, dtype, case, form)
+    else:
+        q_full = plant(cache, q_full, form)
+        q64 = q_view(q_full, c["heads"]).double()
+        lens = torch.tensor(cache.lens, dtype=torch.int32)
+        refs = references(cache, form, lambda kv, **fmt: reference.decode(q64, kv, cache.table, lens, SOFTMAX_SCALE,
+                                                                          **fmt))
     dev = DeviceCache(cache, form)
     before = dev.host_memory()
     q = q_view(q_full.cuda(), c["heads"])
@@ -350,6 +358,45 @@ def run_decode_case(kv_format, dtype, case, form, arch):
 
 
 # ------------------------------------------------------------------------------------- GPU
+# Heads 0-3 of the longest sequence point at the key at these positions: a sink (the first key), then
+# keys in tiles 2, 3 and 9 of 64, so that each of the Hopper kernels' two warpgroups (alternate tiles)
+# meets a running max that moves far past 2^8 after its first tile; the key's score JUMP_SCORE nats.
+JUMP_POSITIONS = (0, 130, 200, 600)
+JUMP_SCORE = 40.0
+JUMP_MARGIN = 12.0  # nats the planted score must clear every other key of its row by
+
+
+def plant_score_jumps(cache, q_full, form):
+    """q_full with heads 0-3 of the longest sequence set to rows whose score against one key
+    (JUMP_POSITIONS) is JUMP_SCORE, checked to clear every other key by JUMP_MARGIN: the row runs
+    along that key less the keys' mean, made orthogonal to the other keys it scores highest (the
+    edge rows of build_cache and the int formats' coarse codes share much of every key's direction)."""
+    b = max(range(len(cache.lens)), key=lambda i: cache.lens[i])
+    assert cache.lens[b] > max(JUMP_POSITIONS), "the case's longest sequence is too short for the planted keys"
+    values = form_values(cache, form).reshape(-1, 576)
+    keys = torch.stack([values[int(cache.table[b, p // cache.block_size]) * cache.block_size + p % cache.block_size]
+                        for p in range(cache.lens[b])])
+    q_full = q_full.clone()
+    for h, pos in enumerate(JUMP_POSITIONS):
+        along, basis = keys[pos] - keys.mean(0), []
+        for _ in range(32):
+            q = (along * (JUMP_SCORE / (SOFTMAX_SCALE * along.dot(keys[pos])))).to(q_full.dtype)
+            scores = SOFTMAX_SCALE * (keys @ q.double())
+            others = scores.clone()
+            others[pos] = -math.inf
+            if scores[pos] - others.max() > JUMP_MARGIN:
+                break
+            v = keys[int(others.argmax())].clone()
+            for u in basis:
+                v -= v.dot(u) * u
+            v /= v.norm()
+            basis.append(v)
+            along = along - along.dot(v) * v
+        assert scores[pos] - others.max() > JUMP_MARGIN, f"head {h}: the planted key does not stand out"
+        q_full[b, :, 1 + h, 32:32 + 576] = q
+    return q_full
+
+
 @GPU
 @pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq2-h7-bs32"])
 @pytest.mark.parametrize("form", ["paged", "blocks"])
@@ -366,6 +413,15 @@ def test_decode_quantized(kv_format, dtype, form, case, arch):
 def test_decode_quantized_block_size_16(kv_format, dtype, arch):
     for form in ("paged", "blocks"):
         run_decode_case(kv_format, dtype, "sq1-h20-bs16", form, arch)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_decode_quantized_score_jumps(kv_format, dtype, arch):
+    """Heads whose running max moves by ~40 nats in a late tile (and a sink): O, the row sum and the
+    int formats' zero-point term must all be rescaled (random scores never move the max that far)."""
+    run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_score_jumps)
 
 
 @GPU
