@@ -324,13 +324,14 @@ def reads_exact_codes(kv_format, arch, rows, schedule):
 
 
 def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
-    """The case's decode on every schedule; plant(cache, q_full, form) -> q_full replaces its queries."""
+    """The case's decode on every schedule; plant(cache, q_full, form) -> (cache, q_full) replaces its
+    cache or queries."""
     c = DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
     if plant is None:
         refs = decode_refs(kv_format, dtype, case, form)
     else:
-        q_full = plant(cache, q_full, form)
+        cache, q_full = plant(cache, q_full, form)
         q64 = q_view(q_full, c["heads"]).double()
         lens = torch.tensor(cache.lens, dtype=torch.int32)
         refs = references(cache, form, lambda kv, **fmt: reference.decode(q64, kv, cache.table, lens, SOFTMAX_SCALE,
@@ -394,7 +395,30 @@ def plant_score_jumps(cache, q_full, form):
             along = along - along.dot(v) * v
         assert scores[pos] - others.max() > JUMP_MARGIN, f"head {h}: the planted key does not stand out"
         q_full[b, :, 1 + h, 32:32 + 576] = q
-    return q_full
+    return cache, q_full
+
+
+SCALE_RISE_KEYS = 256  # the longest sequence's first four tiles of 64: two per Hopper warpgroup
+SCALE_RISE = 2.0 ** -12
+
+
+def plant_scale_rise(cache, q_full, form):
+    """int8 / int4: the longest sequence's first SCALE_RISE_KEYS keys with scale and zero times
+    SCALE_RISE (their values as much smaller), so that the scales' power of two rises 12 steps at
+    the fifth tile; the cache's values are decoded again from the changed bytes."""
+    b = max(range(len(cache.lens)), key=lambda i: cache.lens[i])
+    assert cache.lens[b] > SCALE_RISE_KEYS + 64, "the case's longest sequence is too short"
+    bs, width = cache.block_size, 576 if cache.kv_format == "int8" else 288
+    blocks = cache.bytes.clone()
+    pairs = blocks[:, bs * width:].reshape(-1, bs, 2, cache.dtype.itemsize)
+    for pos in range(SCALE_RISE_KEYS):
+        blk, slot = int(cache.table[b, pos // bs]), pos % bs
+        pair = pairs[blk, slot].contiguous().view(cache.dtype) * SCALE_RISE
+        pairs[blk, slot] = pair.view(torch.uint8).view(2, -1)
+    blocks[:, bs * width:] = pairs.reshape(blocks.shape[0], -1)
+    values = decode_rows(blocks[:, :bs * width].reshape(-1, width), cache.kv_format, blocks[:, bs * width:].reshape(-1, 4),
+                         cache.dtype).view(cache.values.shape)
+    return dataclasses.replace(cache, bytes=blocks, values=values), q_full
 
 
 @GPU
@@ -422,6 +446,15 @@ def test_decode_quantized_score_jumps(kv_format, dtype, arch):
     """Heads whose running max moves by ~40 nats in a late tile (and a sink): O, the row sum and the
     int formats' zero-point term must all be rescaled (random scores never move the max that far)."""
     run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_score_jumps)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_decode_quantized_scale_rise(kv_format, dtype, arch):
+    """Keys whose int scales rise 2^12-fold after the fourth tile: the narrow kernel's O, kept in units
+    of its scales' running power of two, must be rescaled when that power rises."""
+    run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_scale_rise)
 
 
 @GPU

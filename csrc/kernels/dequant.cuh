@@ -79,6 +79,39 @@ __device__ __forceinline__ void fp8_values(uint2 bytes, float scale, float (&v)[
 #endif
 }
 
+// Int codes as exact fp16 pairs without a conversion instruction: a half whose bits are 0x6400 | c
+// is 1024 + c (c < 1024), and one packed subtraction takes the 1024 back out. bf16 has no such
+// exponent for a byte (its 7 mantissa bits hold codes below 128 only), so the callers' products
+// with codes are fp16.
+constexpr uint32_t kHalfMagic = 0x64006400u;
+__device__ __forceinline__ uint32_t unbias_halves(uint32_t biased) {
+  const uint32_t magic = kHalfMagic;
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&magic));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// Two bytes of `w` as a pair of halves: `selector` (__byte_perm's) puts them in bytes 0 and 2 and
+// byte 4 (the magic's 0x64) in bytes 1 and 3, e.g. 0x4140 for bytes 0, 1 and 0x4342 for 2, 3.
+__device__ __forceinline__ uint32_t byte_codes_to_halves(uint32_t w, uint32_t selector) {
+  return unbias_halves(__byte_perm(w, kHalfMagic | (kHalfMagic >> 8), selector));
+}
+// Nibbles K and K + 4 of `w` (K = 0 or 1: bits 4 K and 16 + 4 K) as a pair of halves, one masking
+// lop3 each: nibble 1 lands as 16 c under the magic, which one fused multiply-add (x / 16 - 64)
+// makes c, exactly (both steps are exact in fp16).
+template <int K>
+__device__ __forceinline__ uint32_t nibble_codes_to_halves(uint32_t w) {
+  static_assert(K == 0 || K == 1, "the low byte of each half holds nibbles 0 and 1");
+  uint32_t biased;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(biased) : "r"(w), "n"(K == 0 ? 0x000F000Fu : 0x00F000F0u), "n"(kHalfMagic));
+  if constexpr (K == 0) {
+    return unbias_halves(biased);
+  } else {
+    const uint32_t sixteenth = 0x2C002C00u, minus_64 = 0xD400D400u;
+    const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&sixteenth),
+                              *reinterpret_cast<const __half2*>(&minus_64));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
 // An int code (< 2^23) as a float without a conversion instruction: its bits under 2^23's exponent.
 __device__ __forceinline__ float code_value(uint32_t code_bits_with_exponent) {
   return __uint_as_float(code_bits_with_exponent) - 8388608.f;

@@ -8,19 +8,20 @@
 // with the cache tile as wgmma's A operand, converted from its raw bytes into registers (the
 // mma.sync fragment layout) by the math threads themselves, and Q^T / P^T (N = 16 or 24 rows) as
 // the K-major B operand in shared memory. No value is rounded on the way in: e4m3 and int codes are
-// exact in either 16-bit type, and the scales go where they cost nothing:
+// exact in fp16, and the scales go where they cost nothing:
 //   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
 //   int8 / int4 (code c, row scale s_t, zero z_t): S = s_t (Q.C^T) + z_t sum(q), and
-//         O = (P s_t).C + sum_t P z_t, P s_t rounded to the 16-bit type as P is in every kernel.
-// fp8 products are fp16 for either q dtype (an e4m3 pair is one cvt away from fp16, three more from
-// bf16): a bf16 q row enters as fp16 times 2^-e_n, e_n its own power of two putting the row's largest
-// value at 2^14 (exact down to 2^-29 of that), and e_n goes back into the row's score scale; P (below
-// 2^8, raised_max) enters as P 2^7, so that fp16's subnormals start at P = 2^-21 and the rounding
-// there adds at most 2^-32 per token; the 2^7 leaves with the row sum, summed from the same values.
-// An int4 nibble (an fp16 int8 byte) becomes a 16-bit value by taking a magic exponent, B + c, and
-// one packed subtraction of B, exact; leaving B in the product and taking B sum(q) out of S in fp32
-// instead cancels ~B / c times the product's rounding into the score (seen failing the lse check).
-//
+//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel.
+// The products are fp16 for either q dtype and every format: an e4m3 pair is one cvt away from fp16
+// (three more from bf16), an int code pair one lop3 or prmt and one packed op (dequant.cuh; bf16 has
+// no exponent under which a byte is exact). A bf16 q row enters as fp16 times 2^-e_n, e_n its own
+// power of two putting the row's largest value at 2^14 (exact down to 2^-29 of that), and e_n goes
+// back into the row's score scale; P (below 2^8, raised_max) enters as P 2^7, so that fp16's
+// subnormals start at P = 2^-21 and the rounding there adds at most 2^-32 per token; the 2^7 leaves
+// with the row sum, summed from the same values. For int formats P s_t enters as P s_t 2^-sigma,
+// sigma the warpgroup's running power of two above every s_t of its tiles (it only rises, rescaling
+// O as a rising max does), so that P s_t stays below 2^15 whatever the scales' range; O is in units
+// of 2^sigma until the epilogue.
 // Permutations make every fragment a few wide shared-memory loads and byte moves:
 //   - the 576 features of a k step: slot k of step s of block j is feature 64 j + 16 c + 4 s + e
 //     (c = (k % 8) / 2, e = k % 2 + 2 (k / 8)), so that a thread's 16 features of a block are 16
@@ -51,7 +52,7 @@ constexpr int kStages = 4;    // tile buffers of the ring: two per warpgroup
 constexpr int kMathThreads = 128 * kGroups;
 constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
 // The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
-constexpr int kMathRegisters = 224, kCopyRegisters = 56;
+constexpr int kMathRegisters = 232, kCopyRegisters = 40;
 static_assert((kGroups * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "the CTA's register pool");
 constexpr int kBlocks = kRowDim / 64;        // 64-feature blocks of a row: 8 latent, 1 rope
@@ -62,10 +63,7 @@ constexpr bool supports(KvFormat f) { return f == KvFormat::kFp8 || f == KvForma
 template <KvFormat F>
 struct Format {
   static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
-  // fp8 products in fp16 (the top of the file): a q row's power of two, and P's.
-  template <class T>
-  using Product = std::conditional_t<F == KvFormat::kFp8, __half, T>;
-  static constexpr float kPShift = F == KvFormat::kFp8 ? 7.f : 0.f;
+  static constexpr float kPShift = 7.f;  // P enters the products as P 2^7 (the top of the file)
   static constexpr int kRowBytes = F == KvFormat::kInt4 ? kRowDim / 2 : kRowDim;  // a row's codes
   static constexpr int kBlockBytes = kRowBytes / kBlocks;
   static constexpr int kThreadBytes = kBlockBytes / 4;  // a thread's 16 values of a block
@@ -79,8 +77,10 @@ struct Smem {
   static constexpr size_t kRing = kP + size_t(kGroups) * N * arch::kSwizzleRowBytes;
   static constexpr size_t kRingBytes = size_t(kStages) * Format<F>::kStageBytes;
   static constexpr size_t kStats = kRing + kRingBytes;  // floats
-  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N]
-  static constexpr size_t kStatFloats = size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + N;
+  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N],
+  // kv limit [N], the tile's largest int scale [kGroups][4]
+  static constexpr size_t kStatFloats =
+      size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + 2 * N + size_t(kGroups) * 4;
   static constexpr size_t kBarriers = (kStats + kStatFloats * sizeof(float) + 7) / 8 * 8;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
   // The epilogue's [N][512] fp32 partial of warpgroup 1 lies over the ring.
@@ -103,24 +103,6 @@ __device__ __forceinline__ uint4 scaled_pairs(uint4 x, float factor) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Bytes k and k + 1 of `w` as int8 codes, a pair of bf16 (exact: codes < 256).
-__device__ __forceinline__ uint32_t int8_pair_bf16(uint32_t w, int k) {
-  const float lo = dequant::code_value(__byte_perm(w, 0x4B000000u, 0x7540u + k));
-  const float hi = dequant::code_value(__byte_perm(w, 0x4B000000u, 0x7540u + k + 1));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-// Two codes c (at most 255 for fp16, 127 for bf16) in the low bits of each half of `bits`, as a pair
-// of T: under the exponent of B = 1024 (fp16) or 128 (bf16) a half is B + c, and B goes back out.
-template <class T>
-__device__ __forceinline__ uint32_t code_pair(uint32_t bits) {
-  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  constexpr uint32_t kMagic = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
-  const uint32_t biased = bits | kMagic, magic = kMagic;
-  const Pair r = __hsub2(*reinterpret_cast<const Pair*>(&biased), *reinterpret_cast<const Pair*>(&magic));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 // A thread's 16 values of one block of a row (the K pass) or of its 16 output columns (the V pass).
 template <KvFormat F>
 using Raw16 = std::conditional_t<F == KvFormat::kInt4, uint2, uint4>;
@@ -132,51 +114,53 @@ __device__ __forceinline__ uint32_t raw_word(const Raw16<F>& r, int i) {
 }
 
 // K pass: k step s of a row's 16 values (features 4 s .. 4 s + 3): lo = features 0, 1, hi = 2, 3.
-template <class T, KvFormat F>
+template <KvFormat F>
 __device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo, uint32_t& hi) {
   if constexpr (F == KvFormat::kFp8) {
-    static_assert(std::is_same_v<T, __half>, "fp8 products are fp16");
     arch::e4m3x4_to_halves(raw_word<F>(raw, s), lo, hi);
   } else if constexpr (F == KvFormat::kInt8) {
     const uint32_t w = raw_word<F>(raw, s);
-    if constexpr (std::is_same_v<T, __half>) {
-      lo = code_pair<T>(__byte_perm(w, 0, 0x4140u));
-      hi = code_pair<T>(__byte_perm(w, 0, 0x4342u));
-    } else {
-      lo = int8_pair_bf16(w, 0);
-      hi = int8_pair_bf16(w, 2);
-    }
+    lo = dequant::byte_codes_to_halves(w, 0x4140u);
+    hi = dequant::byte_codes_to_halves(w, 0x4342u);
   } else {
-    // TurboMind's nibble order: nibbles k and k + 4 of a word are its values 2 k and 2 k + 1.
-    const uint32_t w = raw_word<F>(raw, s / 2);
-    const int k = 2 * (s % 2);
-    lo = code_pair<T>((w >> (4 * k)) & 0x000F000Fu);
-    hi = code_pair<T>((w >> (4 * k + 4)) & 0x000F000Fu);
+    // TurboMind's nibble order: nibbles k and k + 4 of a word are its values 2 k and 2 k + 1, so
+    // step s takes nibbles (0, 4), (1, 5) of its word, or (2, 6), (3, 7).
+    const uint32_t w = raw_word<F>(raw, s / 2) >> (8 * (s % 2));
+    lo = dequant::nibble_codes_to_halves<0>(w);
+    hi = dequant::nibble_codes_to_halves<1>(w);
   }
 }
 
 // V pass: output column pair i (columns 2 i, 2 i + 1 of the thread's 16) of tokens a and b:
 // c0 = (column 2 i; a, b), c1 = (column 2 i + 1; a, b).
-template <class T, KvFormat F>
+template <KvFormat F>
 __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, int i, uint32_t& c0, uint32_t& c1) {
   if constexpr (F == KvFormat::kInt4) {
-    const int k = i % 4, sh = 4 * (k % 2);
+    // Bytes k / 2 and k / 2 + 2 of each token's word (nibbles k, k + 4 of each) as x's bytes a, a, b, b.
+    const int k = i % 4;
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 4), raw_word<F>(b, i / 4), k / 2 == 0 ? 0x6420u : 0x7531u);
-    c0 = code_pair<T>((x >> sh) & 0x000F000Fu);
-    c1 = code_pair<T>((x >> (8 + sh)) & 0x000F000Fu);
+    if (k % 2 == 0) {
+      c0 = dequant::nibble_codes_to_halves<0>(x);
+      c1 = dequant::nibble_codes_to_halves<0>(x >> 8);
+    } else {
+      c0 = dequant::nibble_codes_to_halves<1>(x);
+      c1 = dequant::nibble_codes_to_halves<1>(x >> 8);
+    }
   } else {
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 2), raw_word<F>(b, i / 2), i % 2 == 0 ? 0x5140u : 0x7362u);
     if constexpr (F == KvFormat::kFp8) {
       arch::e4m3x4_to_halves(x, c0, c1);
-    } else if constexpr (std::is_same_v<T, __half>) {
-      c0 = code_pair<T>(__byte_perm(x, 0, 0x4140u));
-      c1 = code_pair<T>(__byte_perm(x, 0, 0x4342u));
     } else {
-      c0 = int8_pair_bf16(x, 0);
-      c1 = int8_pair_bf16(x, 2);
+      c0 = dequant::byte_codes_to_halves(x, 0x4140u);
+      c1 = dequant::byte_codes_to_halves(x, 0x4342u);
     }
   }
 }
+
+// The power of two sigma with |s| < 2^sigma for a float s >= 0 (its biased exponent less 126; zeros and
+// subnormals get the least, -126).
+constexpr int kMinScaleExponent = -126;
+__device__ __forceinline__ int scale_exponent(float s) { return int(__float_as_uint(s) >> 23) + kMinScaleExponent; }
 
 template <KvFormat F>
 __device__ __forceinline__ Raw16<F> load_raw(const unsigned char* p) {
@@ -278,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
   if constexpr (arch::target_supports<arch::Sm90>()) {
     using Fmt = Format<F>;
     using S = Smem<F, N>;
-    using M = typename Fmt::template Product<T>;  // the products' 16-bit type
+    using M = __half;  // the products' type (the top of the file)
     using Mma = arch::WgmmaRegA<M, N>;
     constexpr bool kScaledQ = !std::is_same_v<M, T>;
     constexpr int kCols = N / 4;  // score columns of a thread
@@ -293,6 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     float* corr_s = l_s + kGroups * 4 * N;                         // [group][warp][N]
     float* m_s = corr_s + kGroups * 4 * N;                         // [group][N]
     int* q_exp_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]
+    int* limit_s = q_exp_s + N;                                    // [N]: a column's kv positions end
+    float* smax_s = reinterpret_cast<float*>(limit_s + N);         // [group][warp]
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
     uint64_t* empty = full + kStages;
 
@@ -305,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       arch::mbarrier_init(&full[tid], 33);  // the copy warp's lanes, and lane 0's byte count
       arch::mbarrier_init(&empty[tid], 128);
     }
+    if (tid < N) limit_s[tid] = kv_limit(p, w, tid, rows_here);  // once: it takes a division
     if constexpr (kScaledQ) {  // each q row's power of two (the top of the file)
       for (int n = warp; n < N; n += kThreads / 32) {
         const T* src = q_row<T>(p, w, n, rows_here);
@@ -347,13 +334,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       return;
     }
     arch::grow_registers<kMathRegisters>();
-    if constexpr (kInt) {  // the row sums of q (any order: its values are exact in fp32)
+    if constexpr (kInt) {  // the row sums of q as it enters the products
       for (int n = warp; n < N; n += kMathThreads / 32) {
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kBlocks; ++j) {
-          const arch::Vec<T, 2> v =
-              *reinterpret_cast<const arch::Vec<T, 2>*>(q_s + j * N * arch::kSwizzleRowBytes + n * arch::kSwizzleRowBytes + 4 * lane);
+          const arch::Vec<M, 2> v =
+              *reinterpret_cast<const arch::Vec<M, 2>*>(q_s + j * N * arch::kSwizzleRowBytes + n * arch::kSwizzleRowBytes + 4 * lane);
           sum += arch::to_float(v.v[0]) + arch::to_float(v.v[1]);
         }
 #pragma unroll
@@ -393,6 +380,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     float m_run[kCols], l_run[kCols], corr_run[kCols];
 #pragma unroll
     for (int q = 0; q < kCols; ++q) m_run[q] = -INFINITY, l_run[q] = 0.f, corr_run[q] = 0.f;
+    // int formats: O accumulates in units of 2^sigma_run, the warpgroup's running power of two above
+    // every scale of its tiles so far (the top of the file); it moves up only.
+    int sigma_run = kMinScaleExponent;
 
     for (int t = group; t < tiles; t += kGroups) {
       const int stage = t % kStages, first = w.kv_lo + t * kTokens;
@@ -433,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           if (j >= 2) arch::wgmma_wait<1>();  // block j - 2's wgmmas have read a[j % 2]
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
-            k_pairs<M, F>(x0, s, a[j % 2][s][0], a[j % 2][s][2]);
-            k_pairs<M, F>(x1, s, a[j % 2][s][1], a[j % 2][s][3]);
+            k_pairs<F>(x0, s, a[j % 2][s][0], a[j % 2][s][2]);
+            k_pairs<F>(x1, s, a[j % 2][s][1], a[j % 2][s][3]);
           }
           arch::wgmma_fence();
 #pragma unroll
@@ -450,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(q);
-        const int limit = kv_limit(p, w, col, rows_here);
+        const int limit = limit_s[col];
         const float qsum = kInt ? qsum_s[col] : 0.f;
         tile_max[q] = -INFINITY;
 #pragma unroll
@@ -464,7 +454,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
         for (int o = 4; o < 32; o <<= 1) tile_max[q] = fmaxf(tile_max[q], __shfl_xor_sync(0xffffffffu, tile_max[q], o));
         if (g == 0) colmax_s[(group * 4 + wq) * N + col] = tile_max[q];
       }
+      if constexpr (kInt) {
+        float smax = fmaxf(fabsf(row_scale[0]), fabsf(row_scale[1]));
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+        if (lane == 0) smax_s[group * 4 + wq] = smax;
+      }
       arch::named_barrier_sync(1 + group, 128);
+      // int formats: P s_t 2^-sigma_run enters the products, below 2^15 (P 2^7 <= 2^15, s_t < 2^sigma_run).
+      float grow = 1.f, p_scale[2] = {1.f, 1.f};
+      if constexpr (kInt) {
+        const float smax = fmaxf(fmaxf(smax_s[group * 4], smax_s[group * 4 + 1]), fmaxf(smax_s[group * 4 + 2], smax_s[group * 4 + 3]));
+        const int sigma = scale_exponent(smax);
+        if (sigma > sigma_run) {
+          grow = ldexpf(1.f, sigma_run - sigma);
+          sigma_run = sigma;
+        }
+        const float down = ldexpf(1.f, -sigma_run);
+        p_scale[0] = row_scale[0] * down;
+        p_scale[1] = row_scale[1] * down;
+      }
       float alpha[kCols];
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
@@ -486,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
             const float x = sc[4 * (q / 2) + 2 * h + (q % 2)];
             pr[h] = m == -INFINITY ? 0.f : arch::exp2_ftz(x - m + Fmt::kPShift);
             l_run[q] += pr[h];
-            pv.v[h] = arch::from_float<M>(kInt ? pr[h] * row_scale[h] : pr[h]);
+            pv.v[h] = arch::from_float<M>(kInt ? pr[h] * p_scale[h] : pr[h]);
             if constexpr (kInt) corr_run[q] += pr[h] * row_zero[h];
           }
           pair = *reinterpret_cast<const uint32_t*>(&pv);
@@ -497,14 +506,16 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       arch::fence_proxy_async();
       arch::named_barrier_sync(1 + group, 128);  // P^T is complete (and colmax_s read)
 #pragma unroll
-      for (int q = 0; q < kCols; ++q)
-        if (alpha[q] != 1.f) {
+      for (int q = 0; q < kCols; ++q) {
+        const float f = alpha[q] * grow;
+        if (f != 1.f) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            acc[i][4 * (q / 2) + (q % 2)] *= alpha[q];
-            acc[i][4 * (q / 2) + 2 + (q % 2)] *= alpha[q];
+            acc[i][4 * (q / 2) + (q % 2)] *= f;
+            acc[i][4 * (q / 2) + 2 + (q % 2)] *= f;
           }
         }
+      }
       // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; half of the
       // 8 M tiles per batch of wgmmas, the other half converting under it.
       {
@@ -523,8 +534,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
             if (batch >= 2) arch::wgmma_wait<1>();
 #pragma unroll
             for (int ii = 0; ii < 4; ++ii) {
-              v_pairs<M, F>(x[0], x[1], 4 * half + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
-              v_pairs<M, F>(x[2], x[3], 4 * half + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
+              v_pairs<F>(x[0], x[1], 4 * half + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
+              v_pairs<F>(x[2], x[3], 4 * half + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
             }
             arch::wgmma_fence();
 #pragma unroll
@@ -571,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
         c0 += corr_s[k * N + col];
         c1 += corr_s[(4 + k) * N + col];
       }
-      factor[q] = group == 0 ? f0 : f1;
+      factor[q] = (group == 0 ? f0 : f1) * (kInt ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
       total_l[q] = l0 * f0 + l1 * f1;
       total_corr[q] = c0 * f0 + c1 * f1;
       merged_max[q] = m;
