@@ -398,9 +398,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
         }
       }
       // S^T = K . Q^T, a 64-feature block per batch of 4 wgmmas; the next block converts under it.
-      float sc[N / 2];
+      // Blocks alternate between two accumulators, so that two chains of wgmmas are in flight (one
+      // chain of 36 serializes on its accumulator).
+      float chain[2][N / 2];
 #pragma unroll
-      for (int k = 0; k < N / 2; ++k) sc[k] = 0.f;
+      for (int k = 0; k < N / 2; ++k) chain[0][k] = chain[1][k] = 0.f;
       Raw16<F> v_next[4];  // the V pass's first k step, loaded under the softmax
       {
         auto k_raw = [&](int j, int row) {
@@ -429,12 +431,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           arch::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            Mma::mma(sc, a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
+            Mma::mma(chain[j % 2], a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32),
+                     j >= 2 || s > 0);
           arch::wgmma_commit();
         }
         arch::wgmma_wait<0>();
-        arch::pin_registers(sc);
+        arch::pin_registers(chain[0]);
+        arch::pin_registers(chain[1]);
       }
+      float sc[N / 2];
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) sc[k] = chain[0][k] + chain[1][k];
       // Online softmax over the tile's tokens, column by column (a column is a (token, head) row).
       float tile_max[kCols];
 #pragma unroll
@@ -567,7 +574,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);  // and every tile is read: the ring is free
-    float* merge = reinterpret_cast<float*>(ring);  // [N][512]: warpgroup 1's O, at the merged max
+    // [N][512]: warpgroup 1's O, at the merged max. A thread's 16 floats of a row are 4 16-byte chunks,
+    // chunk (4 u + i) ^ (col / 2 % 4), so that a quarter warp (2 u x 4 columns) meets 8 chunks mod 8:
+    // all 32 banks (unswizzled, its 4 columns of a u hit the same ones).
+    float* merge = reinterpret_cast<float*>(ring);
+    auto merge_chunk = [&](int col, int i) { return reinterpret_cast<float4*>(merge + col * kLatentDim) + ((4 * u + i) ^ ((col >> 1) & 3)); };
     float factor[kCols], total_l[kCols], total_corr[kCols], merged_max[kCols];
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
@@ -590,11 +601,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     if (group == 1) {
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
-        float* dst = merge + col_of(q) * kLatentDim + 16 * u;
+        const int lo = 4 * (q / 2) + (q % 2), hi = lo + 2;  // the column's values of an M tile (h = 0, 1)
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          *reinterpret_cast<float2*>(dst + 2 * i) = make_float2(acc[i][4 * (q / 2) + (q % 2)] * factor[q],
-                                                                acc[i][4 * (q / 2) + 2 + (q % 2)] * factor[q]);
+        for (int i = 0; i < 4; ++i)
+          *merge_chunk(col_of(q), i) = make_float4(acc[2 * i][lo] * factor[q], acc[2 * i][hi] * factor[q],
+                                                   acc[2 * i + 1][lo] * factor[q], acc[2 * i + 1][hi] * factor[q]);
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
@@ -608,22 +619,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       const float l = total_l[q];
       const float inv = l > 0.f ? kv_scale / l : 0.f;
       const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
-      const int64_t flat = (w.token_base + s) * p.num_heads + h;
-      const float* other = merge + col * kLatentDim + 16 * u;
+      // Uniform batches only (columns_for): the sequence's tokens are b q_len + s. (Keeping w.token_base
+      // live from the prologue instead cost a spill in some variants.)
+      const int64_t flat = (int64_t(w.b) * p.q_len + s) * p.num_heads + h;
+      const int lo = 4 * (q / 2) + (q % 2), hi = lo + 2;
       float o[16];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 b = *reinterpret_cast<const float2*>(other + 2 * i);
-        o[2 * i] = (acc[i][4 * (q / 2) + (q % 2)] * factor[q] + b.x + total_corr[q]) * inv;
-        o[2 * i + 1] = (acc[i][4 * (q / 2) + 2 + (q % 2)] * factor[q] + b.y + total_corr[q]) * inv;
+      for (int i = 0; i < 4; ++i) {
+        const float4 b = *merge_chunk(col, i);
+        o[4 * i] = (acc[2 * i][lo] * factor[q] + b.x + total_corr[q]) * inv;
+        o[4 * i + 1] = (acc[2 * i][hi] * factor[q] + b.y + total_corr[q]) * inv;
+        o[4 * i + 2] = (acc[2 * i + 1][lo] * factor[q] + b.z + total_corr[q]) * inv;
+        o[4 * i + 3] = (acc[2 * i + 1][hi] * factor[q] + b.w + total_corr[q]) * inv;
       }
       if (split) {
         float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
 #pragma unroll
         for (int k = 0; k < 16; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(o[k], o[k + 1], o[k + 2], o[k + 3]);
       } else {
-        T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b * (p.cu_q_lens == nullptr) +
-                 (w.token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h + 16 * u;
+        T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b + int64_t(s) * p.out_stride_t +
+                 int64_t(h) * p.out_stride_h + 16 * u;
 #pragma unroll
         for (int k = 0; k < 16; k += 2) {
           arch::Vec<T, 2> v;
@@ -638,8 +653,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
           ws_lse[blockIdx.y * total_rows + flat] = lse;
         } else {
-          p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
-                (w.token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
+          p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
         }
       }
     }
