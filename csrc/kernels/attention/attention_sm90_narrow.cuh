@@ -398,11 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
         }
       }
       // S^T = K . Q^T, a 64-feature block per batch of 4 wgmmas; the next block converts under it.
-      // Blocks alternate between two accumulators, so that two chains of wgmmas are in flight (one
-      // chain of 36 serializes on its accumulator).
-      float chain[2][N / 2];
+      float sc[N / 2];
 #pragma unroll
-      for (int k = 0; k < N / 2; ++k) chain[0][k] = chain[1][k] = 0.f;
+      for (int k = 0; k < N / 2; ++k) sc[k] = 0.f;
       Raw16<F> v_next[4];  // the V pass's first k step, loaded under the softmax
       {
         auto k_raw = [&](int j, int row) {
@@ -431,17 +429,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           arch::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            Mma::mma(chain[j % 2], a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32),
-                     j >= 2 || s > 0);
+            Mma::mma(sc, a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
           arch::wgmma_commit();
         }
         arch::wgmma_wait<0>();
-        arch::pin_registers(chain[0]);
-        arch::pin_registers(chain[1]);
+        arch::pin_registers(sc);
       }
-      float sc[N / 2];
-#pragma unroll
-      for (int k = 0; k < N / 2; ++k) sc[k] = chain[0][k] + chain[1][k];
       // Online softmax over the tile's tokens, column by column (a column is a (token, head) row).
       float tile_max[kCols];
 #pragma unroll
