@@ -11,6 +11,8 @@ Two checks per written row, both against bytes the test reads itself:
 Every other byte of the cache (other rows, other layers, the trailer pairs of other rows) keeps its
 value. CPU tests cover the argument checks and the CPU path (the reference).
 """
+import functools
+
 import pytest
 import torch
 
@@ -190,6 +192,89 @@ def test_block_pointer_quantized_write(kv_format, dtype, fused, arch):
     for name, span in (("the first 16-bit layer", slice(0, plain)), ("the last 16-bit layer", slice(plain + region, block))):
         assert same_bytes(storage[:, span], before[:, span]), f"{name} changed"
     check_rows(target, storage, want, stored, slots, f"{kv_format} block-pointer {'fused' if fused else 'plain'} write")
+
+
+# ------------------------------------------------------------------ rounding boundaries
+# The kernels find most codes by a product with the reciprocal of the scale and divide only where the
+# product may round otherwise than the spec's correctly rounded quotient. These rows hold the values
+# on which the two differ, or which are exact ties, so a kernel that trusts the product too far (or
+# never divides) writes other bytes than the spec.
+def _dtype_grid(dtype):
+    """Every finite value of a 16-bit dtype, as float32."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype).float()
+    return values[torch.isfinite(values)]
+
+
+def _product_differs(v, lo, hi, dtype, top):
+    """For values v (float32) of a row whose min and max are lo and hi: whether round(n * (1 / scale))
+    (the product rounded once, as an fma does) and round(n / scale) (the spec) give other codes."""
+    scale = ((hi - lo) / top).to(dtype).float()
+    n = v - lo.to(dtype).float()
+    spec = torch.round(n / scale).clamp(0, top)
+    product = torch.round(n.double() * (1 / scale).double()).clamp(0, top)
+    return spec != product
+
+
+@functools.lru_cache(maxsize=None)
+def int_boundary_rows(kv_format, dtype, num_rows=96):
+    """Rows [num_rows, 576] (float32 values of dtype) each holding its min lo and max hi and as many
+    values of dtype's grid as the search finds on which product and quotient round apart; the rest of
+    the row random values between lo and hi. Returns (rows, number of such values)."""
+    top = 255 if kv_format == "int8" else 15
+    gen = torch.Generator().manual_seed(11 + top)
+    grid = _dtype_grid(dtype)
+    rows, found = [], 0
+    for _ in range(20000):
+        lo, hi = (torch.rand(2, generator=gen) * torch.tensor([-3.5, 3.5]) + torch.tensor([-0.5, 0.5])).to(dtype).float()
+        v = grid[(grid > lo) & (grid < hi)]
+        hard = v[_product_differs(v, lo, hi, dtype, top)][:500]
+        if len(hard) == 0:
+            continue
+        fill = v[torch.randint(0, len(v), (576 - 2 - len(hard),), generator=gen)]
+        row = torch.cat([torch.stack([lo, hi]), hard, fill])
+        rows.append(row[torch.randperm(576, generator=gen)])
+        found += len(hard)
+        if len(rows) == num_rows:
+            break
+    return torch.stack(rows), found
+
+
+def e4m3_midpoint_rows(num_rows, gen):
+    """Rows whose quotients by the scale (fp8: KV_SCALE, the caller multiplies; fp8_ds_mla: 1, as 448
+    is every tile's amax) are e4m3 midpoints (ties, to even in the spec; subnormal ones among them)
+    and e4m3 values, up to 448 (beyond it a decoded value is off by more than half a step)."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0 .. 448, no NaN
+    values = quant.e4m3_values(codes)
+    mids = (values[1:] + values[:-1]) / 2
+    pool = torch.cat([mids, values])
+    pool = torch.cat([pool, -pool])
+    rows = pool[torch.randint(0, len(pool), (num_rows, 576), generator=gen)]
+    rows[:, ::128] = 448.0
+    return rows
+
+
+@GPU
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantized_write_at_rounding_boundaries(kv_format, dtype, arch):
+    gen = torch.Generator().manual_seed(FORMATS.index(kv_format) + 40)
+    if kv_format in ("int8", "int4"):
+        rows, found = int_boundary_rows(kv_format, dtype)
+        # the search is deterministic: enough values where a product alone would miss
+        assert found >= (250 if kv_format == "int8" else 150), f"only {found} boundary values found"
+    else:
+        rows = e4m3_midpoint_rows(96, gen)
+        if kv_format == "fp8":
+            rows = rows * KV_SCALE
+    rows = rows.to("cuda", dtype)
+    storage, target = paged_target(kv_format, dtype, 8, 16, gen)
+    slots = torch.randperm(128, generator=gen)[:rows.shape[0]].cuda()
+    before = storage.clone()
+    mla_kv.write_kv(rows[:, :512], rows[:, 512:], target.view(storage), slots, kv_format=kv_format,
+                    kv_scale=target.scale(), arch=arch)
+    check_rows(target, storage, target.expect(before, rows, slots), rows, slots,
+               f"{kv_format} write at rounding boundaries")
 
 
 # ------------------------------------------------------------------------------------ CPU

@@ -15,10 +15,10 @@ namespace write_detail {
 
 constexpr int kWarpsPerBlock = 4;
 // Rows in flight per SM bound a copy-like kernel: the 16-byte 16-bit variants (the ones engines
-// run) cap registers at 51 so 40 warps fit; the others, and the quantizing writes (whose fp32 copy
-// of the row would spill under that cap), keep the compiler's choice.
+// run) cap registers at 51 so 40 warps fit, the quantizing writes at 56 (36 warps; 48 spills); the
+// others keep the compiler's choice.
 template <class T, int N, bool kQuant>
-constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8 && !kQuant) ? 10 : 1;
+constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8) ? (kQuant ? 9 : 10) : 1;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -39,44 +39,106 @@ __device__ __forceinline__ float warp_min(float x) {
   return x;
 }
 
-// The quantized row of one token, from the values the 16-bit row would hold (rounded to T, as the
-// reference quantizes them): lat[i] holds latent values (i * 32 + lane) * 8 .. + 8, pe_a / pe_b on
-// lanes < 4 the rope values lane * 8 and (lane + 4) * 8. Layouts: mla_kv/layout.h KvFormat and
-// python/mla_kv/reference/quant.py, whose quantizer this matches bit for bit (fp32 divisions as
-// the reference divides; ties to even).
-template <class A, class T, class Rows>
-__device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot& slot, const arch::Vec<T, 8> (&lat)[2],
-                                                const arch::Vec<T, 8>& pe_a, const arch::Vec<T, 8>& pe_b, int lane) {
-  const RowLayout& layout = rows.cache.row;
-  char* row = slot.region + slot.offset * layout.row_stride_bytes;
-  const bool has_pe = lane < 4;
-  float x[2][8], pa[8], pb[8];
+// Codes need only rint((v - zero) / scale) or e4m3(v / scale), not the correctly rounded quotient
+// the reference divides out (a division is ~10 instructions and a branch per value: the quantizing
+// write was instruction-bound on it). A product by r = 1 / s gives the same code wherever the
+// quotient is farther from a rounding boundary than the product's error; a lane that holds any value
+// that close divides all of its values as the reference does (on random rows some lane of ~7% of the
+// int8 rows, ~2% of the fp8 rows and <1% of the int4 ones), so the bytes stay the reference's.
+constexpr float kRoundMagic = 12582912.f;  // 1.5 x 2^23: v + it rounds v to an integer (ties to even) in the low bits
+
+// Whether r (a reciprocal) is normal and finite: the products' relative error bounds need it.
+__device__ __forceinline__ bool normal_reciprocal(float r) { return r >= 1.17549435e-38f && r < INFINITY; }
+
+// The low bytes of a, b, c, d as one word, a's lowest.
+__device__ __forceinline__ uint32_t low_bytes(float a, float b, float c, float d) {
+  return __byte_perm(__byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040),
+                     __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040), 0x5410);
+}
+
+// The codes of 8 values as TurboMind stores them: int8 one byte each (8 bytes); int4 nibbles, from the
+// low one up, of values 0, 2, 4, 6, 1, 3, 5, 7 (.x; byte j of `even | odd << 4` holds them pairwise).
+// A code is clamp(rint(q), 0, top), q the quotient (v - zero) / scale, by division or (kFast) by the
+// product with r = 1 / scale, held as kRoundMagic + code (the code in the low byte). `near` is set when
+// a product may round otherwise than the quotient: where rounding matters (|q| <= top + 1),
+// |n r - fl(n / scale)| <= (top + 1) 2^-23 < eps.
+template <bool kFast, class T>
+__device__ __forceinline__ uint2 int_codes(const arch::Vec<T, 8>& v, float zero, float scale, float r, bool int4,
+                                           bool& near) {
+  const float top = int4 ? 15.f : 255.f, eps = (top + 2.f) * 0x1p-22f;
+  float m[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    x[0][k] = arch::to_float(lat[0].v[k]);
-    x[1][k] = arch::to_float(lat[1].v[k]);
-    pa[k] = arch::to_float(pe_a.v[k]);
-    pb[k] = arch::to_float(pe_b.v[k]);
+    const float n = arch::to_float(v.v[k]) - zero;
+    float c;
+    if constexpr (kFast) {
+      c = fmaf(n, r, kRoundMagic);
+      near |= !(fabsf(fmaf(n, r, kRoundMagic - c)) < 0.5f - eps);  // the product's distance to its integer
+    } else {
+      c = rintf(n / scale) + kRoundMagic;
+    }
+    m[k] = fminf(fmaxf(c, kRoundMagic), kRoundMagic + top);
   }
+  if (int4) return make_uint2(low_bytes(m[0], m[4], m[1], m[5]) | low_bytes(m[2], m[6], m[3], m[7]) << 4, 0u);
+  return make_uint2(low_bytes(m[0], m[1], m[2], m[3]), low_bytes(m[4], m[5], m[6], m[7]));
+}
+
+// 8 values, each through op (a quotient), -> 8 e4m3 bytes.
+template <class A, class T, class Op>
+__device__ __forceinline__ uint2 e4m3x8(const arch::Vec<T, 8>& v, Op op) {
+  auto e = [&](int k) { return op(arch::to_float(v.v[k])); };
+  return make_uint2(arch::e4m3x2<A>(e(0), e(1)) | (arch::e4m3x2<A>(e(2), e(3)) << 16),
+                    arch::e4m3x2<A>(e(4), e(5)) | (arch::e4m3x2<A>(e(6), e(7)) << 16));
+}
+template <class A, class T>
+__device__ __forceinline__ uint2 e4m3x8_divided(const arch::Vec<T, 8>& v, float s) {
+  return e4m3x8<A>(v, [s](float x) { return x / s; });
+}
+// e4m3(v / s) of 8 values from two products that bracket the quotient: v r (1 -+ 2^-20) lie on either
+// side of fl(v / s) (their errors are 4 x 2^-24 at most), and e4m3 rounding is monotone, so equal bytes
+// are the quotient's bytes. Unequal ones set `near`.
+template <class A, class T>
+__device__ __forceinline__ uint2 e4m3x8_bracketed(const arch::Vec<T, 8>& v, float r_lo, float r_hi, bool& near) {
+  const uint2 lo = e4m3x8<A>(v, [r_lo](float x) { return x * r_lo; });
+  const uint2 hi = e4m3x8<A>(v, [r_hi](float x) { return x * r_hi; });
+  near |= lo.x != hi.x || lo.y != hi.y;
+  return lo;
+}
+
+// The quantized row of one token, from the values the 16-bit row would hold (rounded to T, as the
+// reference quantizes them): lat[i] holds latent values (i * 32 + lane) * 8 .. + 8, pe on lanes < 8
+// rope values lane * 8 .. + 8. Layouts: mla_kv/layout.h KvFormat and
+// python/mla_kv/reference/quant.py, whose quantizer this matches bit for bit (ties to even).
+template <class A, class T, class Rows>
+__device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot& slot, const arch::Vec<T, 8> (&lat)[2],
+                                                const arch::Vec<T, 8>& pe, int lane) {
+  const RowLayout& layout = rows.cache.row;
+  char* row = slot.region + slot.offset * layout.row_stride_bytes;
+  const bool has_pe = lane < 8;
+  // Values convert to fp32 where they are used: rows kept in T are half the registers (occupancy).
+  auto f = [](const arch::Vec<T, 8>& v, int k) { return arch::to_float(v.v[k]); };
   // Stored element indices of this lane's vectors (multiples of 8 values).
   const int e_lat[2] = {layout.latent_offset + lane * 8, layout.latent_offset + (32 + lane) * 8};
-  const int e_pa = layout.rope_offset + lane * 8, e_pb = layout.rope_offset + (lane + 4) * 8;
+  const int e_pe = layout.rope_offset + lane * 8;
+  constexpr float kBracket = 0x1p-20f;
 
-  auto fp8_bytes = [](const float (&v)[8], float inv) {  // 8 values / inv -> 8 e4m3 bytes
-    uint2 r;
-    r.x = arch::e4m3x2<A>(v[0] / inv, v[1] / inv) | (arch::e4m3x2<A>(v[2] / inv, v[3] / inv) << 16);
-    r.y = arch::e4m3x2<A>(v[4] / inv, v[5] / inv) | (arch::e4m3x2<A>(v[6] / inv, v[7] / inv) << 16);
-    return r;
-  };
   switch (layout.format) {
     case KvFormat::kFp8: {
-      const float s = layout.kv_scale;
-      *reinterpret_cast<uint2*>(row + e_lat[0]) = fp8_bytes(x[0], s);
-      *reinterpret_cast<uint2*>(row + e_lat[1]) = fp8_bytes(x[1], s);
-      if (has_pe) {
-        *reinterpret_cast<uint2*>(row + e_pa) = fp8_bytes(pa, s);
-        *reinterpret_cast<uint2*>(row + e_pb) = fp8_bytes(pb, s);
+      const float s = layout.kv_scale, r = 1.f / s;
+      const float r_lo = r * (1.f - kBracket), r_hi = r * (1.f + kBracket);
+      bool near = !normal_reciprocal(r);
+      uint2 w[3];
+      w[0] = e4m3x8_bracketed<A>(lat[0], r_lo, r_hi, near);
+      w[1] = e4m3x8_bracketed<A>(lat[1], r_lo, r_hi, near);
+      if (has_pe) w[2] = e4m3x8_bracketed<A>(pe, r_lo, r_hi, near);
+      if (near) {
+        w[0] = e4m3x8_divided<A>(lat[0], s);
+        w[1] = e4m3x8_divided<A>(lat[1], s);
+        if (has_pe) w[2] = e4m3x8_divided<A>(pe, s);
       }
+      *reinterpret_cast<uint2*>(row + e_lat[0]) = w[0];
+      *reinterpret_cast<uint2*>(row + e_lat[1]) = w[1];
+      if (has_pe) *reinterpret_cast<uint2*>(row + e_pe) = w[2];
       return;
     }
     case KvFormat::kFp8DsMla: {
@@ -84,24 +146,32 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       // a reduction over a half warp.
       constexpr float kFltMin = 1.17549435e-38f;
       constexpr int kScales = kLatentDim, kRope = kLatentDim + 16;
+      float scale[2];
+      uint2 w[2];
+      bool near = false;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         float amax = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(x[i][k]));
-        const float scale = fmaxf(group_max<16>(amax) / 448.f, kFltMin);
-        *reinterpret_cast<uint2*>(row + lane * 8 + i * 256) = fp8_bytes(x[i], scale);
-        if ((lane & 15) == 0) *reinterpret_cast<float*>(row + kScales + 4 * (2 * i + lane / 16)) = scale;
+        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(f(lat[i], k)));
+        scale[i] = fmaxf(group_max<16>(amax) / 448.f, kFltMin);
+        const float r = 1.f / scale[i];  // normal: scale is in [FLT_MIN, FLT_MAX / 448]
+        w[i] = e4m3x8_bracketed<A>(lat[i], r * (1.f - kBracket), r * (1.f + kBracket), near);
+      }
+      if (near) {
+        w[0] = e4m3x8_divided<A>(lat[0], scale[0]);
+        w[1] = e4m3x8_divided<A>(lat[1], scale[1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        *reinterpret_cast<uint2*>(row + lane * 8 + i * 256) = w[i];
+        if ((lane & 15) == 0) *reinterpret_cast<float*>(row + kScales + 4 * (2 * i + lane / 16)) = scale[i];
       }
       if (has_pe) {
-        arch::Vec<__nv_bfloat16, 8> a, b;
+        arch::Vec<__nv_bfloat16, 8> b;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          a.v[k] = __float2bfloat16_rn(pa[k]);
-          b.v[k] = __float2bfloat16_rn(pb[k]);
-        }
-        arch::store<__nv_bfloat16, 8>(reinterpret_cast<__nv_bfloat16*>(row + kRope) + lane * 8, a);
-        arch::store<__nv_bfloat16, 8>(reinterpret_cast<__nv_bfloat16*>(row + kRope) + (lane + 4) * 8, b);
+        for (int k = 0; k < 8; ++k) b.v[k] = __float2bfloat16_rn(f(pe, k));
+        arch::store<__nv_bfloat16, 8>(reinterpret_cast<__nv_bfloat16*>(row + kRope) + lane * 8, b);
       }
       return;
     }
@@ -111,11 +181,11 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       float lo = INFINITY, hi = -INFINITY;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        lo = fminf(lo, fminf(x[0][k], x[1][k]));
-        hi = fmaxf(hi, fmaxf(x[0][k], x[1][k]));
+        lo = fminf(lo, fminf(f(lat[0], k), f(lat[1], k)));
+        hi = fmaxf(hi, fmaxf(f(lat[0], k), f(lat[1], k)));
         if (has_pe) {
-          lo = fminf(lo, fminf(pa[k], pb[k]));
-          hi = fmaxf(hi, fmaxf(pa[k], pb[k]));
+          lo = fminf(lo, f(pe, k));
+          hi = fmaxf(hi, f(pe, k));
         }
       }
       lo = warp_min(lo);
@@ -123,28 +193,29 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       const float top = int4 ? 15.f : 255.f;
       // Codes come from the stored (rounded) scale and zero, so code * scale + zero is what a reader gets.
       const T scale_t = arch::from_float<T>((hi - lo) / top), zero_t = arch::from_float<T>(lo);
-      const float scale = arch::to_float(scale_t), zero = arch::to_float(zero_t);
-      auto code = [&](float v) -> uint32_t {
-        return scale > 0.f ? uint32_t(fminf(fmaxf(rintf((v - zero) / scale), 0.f), top)) : 0u;
-      };
-      auto put = [&](const float (&v)[8], int e) {
-        uint32_t c[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) c[k] = code(v[k]);
-        if (int4) {  // nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7
-          *reinterpret_cast<uint32_t*>(row + e / 2) = c[0] | c[2] << 4 | c[4] << 8 | c[6] << 12 | c[1] << 16 |
-                                                     c[3] << 20 | c[5] << 24 | c[7] << 28;
-        } else {
-          *reinterpret_cast<uint2*>(row + e) = make_uint2(c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24,
-                                                          c[4] | c[5] << 8 | c[6] << 16 | c[7] << 24);
+      const float scale = arch::to_float(scale_t), zero = arch::to_float(zero_t), r = 1.f / scale;
+      // A zero scale (all values equal, or a range that rounds to 0 in T) stores code 0 everywhere, as
+      // the reference does.
+      const bool flat = !(scale > 0.f);
+      uint2 w[3] = {};
+      if (!flat) {
+        bool near = !normal_reciprocal(r);
+        w[0] = int_codes<true>(lat[0], zero, scale, r, int4, near);
+        w[1] = int_codes<true>(lat[1], zero, scale, r, int4, near);
+        if (has_pe) w[2] = int_codes<true>(pe, zero, scale, r, int4, near);
+        if (near) {
+          w[0] = int_codes<false>(lat[0], zero, scale, r, int4, near);
+          w[1] = int_codes<false>(lat[1], zero, scale, r, int4, near);
+          if (has_pe) w[2] = int_codes<false>(pe, zero, scale, r, int4, near);
         }
-      };
-      put(x[0], e_lat[0]);
-      put(x[1], e_lat[1]);
-      if (has_pe) {
-        put(pa, e_pa);
-        put(pb, e_pb);
       }
+      auto put = [&](const uint2& wv, int e) {
+        if (int4) *reinterpret_cast<uint32_t*>(row + e / 2) = wv.x;
+        else *reinterpret_cast<uint2*>(row + e) = wv;
+      };
+      put(w[0], e_lat[0]);
+      put(w[1], e_lat[1]);
+      if (has_pe) put(w[2], e_pe);
       if (lane == 0) {
         T* pair = reinterpret_cast<T*>(slot.region + int64_t(rows.rows_per_block()) * layout.row_stride_bytes +
                                        slot.offset * 4);
@@ -263,7 +334,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kMinBlocksPerSm<T, N, kQ
       }
 
       if constexpr (kQuant) {
-        store_quantized<A, T>(rows, target, lat, pe_a, pe_b, lane);
+        // Rope vector j to lane j (lanes 4..7 take pe_b of lanes 0..3): the quantizing steps then run
+        // over one rope vector on 8 lanes, not two on 4, a quarter of the warp's instructions less.
+        arch::Vec<T, 8> pe = pe_a;
+        uint32_t* pe_words = reinterpret_cast<uint32_t*>(&pe);
+        const uint32_t* b_words = reinterpret_cast<const uint32_t*>(&pe_b);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t from_b = __shfl_sync(0xffffffffu, b_words[k], lane & 3);
+          if (lane >= 4) pe_words[k] = from_b;
+        }
+        store_quantized<A, T>(rows, target, lat, pe, lane);
       } else {
         T* dst_c = reinterpret_cast<T*>(row) + rows.cache.row.latent_offset;
         T* dst_pe = reinterpret_cast<T*>(row) + rows.cache.row.rope_offset;

@@ -4,7 +4,8 @@ Rows are in their storage order (latent first as vLLM lays them; a rope-first ro
 it is stored, see layout.to_rope_first). ``layout.KV_FORMATS`` lists the formats:
 
 - "fp8" (vLLM ``fp8``): 576 bytes, every value e4m3 of x / kv_scale, one per-tensor float scale;
-  x = e4m3 * kv_scale. Every division here is one correctly rounded fp32 division, as the kernels do it.
+  x = e4m3 * kv_scale. Every division here is one correctly rounded fp32 division; the kernels write
+  the same bytes, by a product with the reciprocal wherever that provably rounds alike, else dividing.
 - "fp8_ds_mla" (vLLM ``fp8_ds_mla``, FlashMLA's FP8 KV, SGLang NSA): 656 bytes. Bytes 0-511: the 512
   latent values in 4 tiles of 128, each e4m3 of x / s_t with s_t = max(amax_t / 448, FLT_MIN) (fp32);
   bytes 512-527: s_0..s_3 as little-endian fp32; bytes 528-655: the 64 rope values in bf16.
