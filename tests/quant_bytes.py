@@ -24,11 +24,12 @@ def as_float(data: torch.Tensor, dtype) -> torch.Tensor:
     return data.contiguous().view(dtype).double()
 
 
-def decode_rows(rows: torch.Tensor, kv_format: str, pairs: torch.Tensor = None, dtype=None) -> torch.Tensor:
+def decode_rows(rows: torch.Tensor, kv_format: str, pairs: torch.Tensor = None, dtype=None,
+                kv_scale: float = KV_SCALE) -> torch.Tensor:
     """Stored rows [N, row_bytes] (+ int8 / int4 (scale, zero) bytes [N, 4] in dtype) -> values [N, 576],
     in the stored order."""
     if kv_format == "fp8":
-        return e4m3(rows) * KV_SCALE
+        return e4m3(rows) * kv_scale
     if kv_format == "fp8_ds_mla":
         scales = as_float(rows[:, 512:528], torch.float32)                      # [N, 4]
         latent = e4m3(rows[:, :512]).view(-1, 4, 128) * scales[:, :, None]
@@ -46,11 +47,11 @@ def decode_rows(rows: torch.Tensor, kv_format: str, pairs: torch.Tensor = None, 
     return codes.double() * sz[:, :1] + sz[:, 1:]
 
 
-def step(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
+def step(rows: torch.Tensor, kv_format: str, kv_scale: float = KV_SCALE) -> torch.Tensor:
     """Half the quantization step of each value of rows [N, 576] (float64), the error a reader may see."""
     x = rows.double()
     if kv_format == "fp8":
-        return torch.maximum(x.abs() * 2.0 ** -4, torch.full_like(x, KV_SCALE * 2.0 ** -10))
+        return torch.maximum(x.abs() * 2.0 ** -4, torch.full_like(x, kv_scale * 2.0 ** -10))
     if kv_format == "fp8_ds_mla":
         tile = torch.clamp(x[:, :512].abs().view(-1, 4, 128).amax(-1) / 448, min=1e-30)
         latent = torch.maximum(x[:, :512].abs() * 2.0 ** -4, tile.repeat_interleave(128, 1) * 2.0 ** -10)

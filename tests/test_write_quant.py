@@ -33,11 +33,12 @@ class QuantCache:
     """A quantized paged cache inside a storage tensor (``view(storage)`` is the cache): its rows' bytes
     and the spec's expected storage."""
 
-    def __init__(self, kv_format, dtype, block_size, view):
+    def __init__(self, kv_format, dtype, block_size, view, kv_scale=KV_SCALE):
         self.kv_format, self.dtype, self.block_size, self.view = kv_format, dtype, block_size, view
+        self.kv_scale = kv_scale
 
     def scale(self):
-        return KV_SCALE if self.kv_format == "fp8" else None
+        return self.kv_scale if self.kv_format == "fp8" else None
 
     def rows_and_pairs(self, storage):
         """Every row's bytes [capacity, row_bytes] and (scale, zero) bytes [capacity, 4] (None: none)."""
@@ -99,9 +100,10 @@ def check_rows(target, got_storage, want_storage, rows_stored, slots, what):
     got_rows, got_pairs = target.rows_and_pairs(got_storage)
     keep = slots >= 0
     s = slots[keep]
-    values = decode_rows(got_rows[s], target.kv_format, None if got_pairs is None else got_pairs[s], target.dtype)
+    values = decode_rows(got_rows[s], target.kv_format, None if got_pairs is None else got_pairs[s], target.dtype,
+                         target.kv_scale)
     want = rows_stored[keep].double()
-    err = (values - want).abs() - step(want, target.kv_format)
+    err = (values - want).abs() - step(want, target.kv_format, target.kv_scale)
     assert not torch.isnan(values).any(), f"{what}: NaN decoded"
     assert float(err.max()) <= 1e-9 * float(want.abs().max()), f"{what}: a decoded value is off by more than half a step"
 
@@ -240,10 +242,12 @@ def int_boundary_rows(kv_format, dtype, num_rows=96):
     return torch.stack(rows), found
 
 
-def e4m3_midpoint_rows(num_rows, gen):
-    """Rows whose quotients by the scale (fp8: KV_SCALE, the caller multiplies; fp8_ds_mla: 1, as 448
-    is every tile's amax) are e4m3 midpoints (ties, to even in the spec; subnormal ones among them)
-    and e4m3 values, up to 448 (beyond it a decoded value is off by more than half a step)."""
+def e4m3_midpoint_rows(num_rows, scale, gen):
+    """Rows of scale times e4m3 midpoints (ties, to even in the spec; subnormal ones among them) and
+    e4m3 values, up to 448 (beyond it a decoded value is off by more than half a step), with 448 x scale
+    in every 128-value tile: quotients by scale (fp8's kv_scale; fp8_ds_mla's tile scale, as that is
+    every tile's amax) land on the midpoints. scale 0.5 has an exact reciprocal; 0.75 does not, and
+    scale x midpoint is still exact in fp16 and bf16 (2 + 5 significant bits)."""
     codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0 .. 448, no NaN
     values = quant.e4m3_values(codes)
     mids = (values[1:] + values[:-1]) / 2
@@ -251,7 +255,7 @@ def e4m3_midpoint_rows(num_rows, gen):
     pool = torch.cat([pool, -pool])
     rows = pool[torch.randint(0, len(pool), (num_rows, 576), generator=gen)]
     rows[:, ::128] = 448.0
-    return rows
+    return rows * scale
 
 
 @GPU
@@ -263,18 +267,19 @@ def test_quantized_write_at_rounding_boundaries(kv_format, dtype, arch):
         rows, found = int_boundary_rows(kv_format, dtype)
         # the search is deterministic: enough values where a product alone would miss
         assert found >= (250 if kv_format == "int8" else 150), f"only {found} boundary values found"
-    else:
-        rows = e4m3_midpoint_rows(96, gen)
-        if kv_format == "fp8":
-            rows = rows * KV_SCALE
-    rows = rows.to("cuda", dtype)
-    storage, target = paged_target(kv_format, dtype, 8, 16, gen)
-    slots = torch.randperm(128, generator=gen)[:rows.shape[0]].cuda()
-    before = storage.clone()
-    mla_kv.write_kv(rows[:, :512], rows[:, 512:], target.view(storage), slots, kv_format=kv_format,
-                    kv_scale=target.scale(), arch=arch)
-    check_rows(target, storage, target.expect(before, rows, slots), rows, slots,
-               f"{kv_format} write at rounding boundaries")
+        cases = [(rows, KV_SCALE)]
+    else:  # an exact reciprocal of the scale (one product) and an inexact one (two, bracketing)
+        cases = [(e4m3_midpoint_rows(96, scale, gen), scale) for scale in (0.5, 0.75)]
+    for rows, scale in cases:
+        rows = rows.to("cuda", dtype)
+        storage, target = paged_target(kv_format, dtype, 8, 16, gen)
+        target.kv_scale = scale
+        slots = torch.randperm(128, generator=gen)[:rows.shape[0]].cuda()
+        before = storage.clone()
+        mla_kv.write_kv(rows[:, :512], rows[:, 512:], target.view(storage), slots, kv_format=kv_format,
+                        kv_scale=target.scale(), arch=arch)
+        check_rows(target, storage, target.expect(before, rows, slots), rows, slots,
+                   f"{kv_format} write at rounding boundaries, scale {scale}")
 
 
 # ------------------------------------------------------------------------------------ CPU

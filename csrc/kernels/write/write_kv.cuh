@@ -43,8 +43,9 @@ __device__ __forceinline__ float warp_min(float x) {
 // the reference divides out (a division is ~10 instructions and a branch per value: the quantizing
 // write was instruction-bound on it). A product by r = 1 / s gives the same code wherever the
 // quotient is farther from a rounding boundary than the product's error; a lane that holds any value
-// that close divides all of its values as the reference does (on random rows some lane of ~7% of the
-// int8 rows, ~2% of the fp8 rows and <1% of the int4 ones), so the bytes stay the reference's.
+// that close redoes all of its values exactly (e4m3: by division; int codes: by a tie test, below),
+// so the bytes stay the reference's. On random bf16 rows some lane of 16% of the int8 rows and 49% of
+// the int4 ones does (exact ties); with a power-of-two fp8 scale no lane needs to.
 constexpr float kRoundMagic = 12582912.f;  // 1.5 x 2^23: v + it rounds v to an integer (ties to even) in the low bits
 
 // Whether r (a reciprocal) is normal and finite: the products' relative error bounds need it.
@@ -58,11 +59,14 @@ __device__ __forceinline__ uint32_t low_bytes(float a, float b, float c, float d
 
 // The codes of 8 values as TurboMind stores them: int8 one byte each (8 bytes); int4 nibbles, from the
 // low one up, of values 0, 2, 4, 6, 1, 3, 5, 7 (.x; byte j of `even | odd << 4` holds them pairwise).
-// A code is clamp(rint(q), 0, top), q the quotient (v - zero) / scale, by division or (kFast) by the
-// product with r = 1 / scale, held as kRoundMagic + code (the code in the low byte). `near` is set when
-// a product may round otherwise than the quotient: where rounding matters (|q| <= top + 1),
-// |n r - fl(n / scale)| <= (top + 1) 2^-23 < eps.
-template <bool kFast, class T>
+// A code is clamp(rint(q), 0, top), q the quotient (v - zero) / scale, held as kRoundMagic + code (the
+// code in the low byte). kProduct: rint of the product with r = 1 / scale, setting `near` where it may
+// round otherwise than the quotient (where rounding matters, |q| <= top + 1,
+// |n r - fl(n / scale)| <= (top + 1) 2^-23 < eps); exact ties, frequent in 16-bit data, are among
+// those. kTieTest: the spec's code of every value, by the half-integer next to the product (r normal).
+// kDivision: as the spec divides (a scale whose reciprocal is not a normal float).
+enum class CodeBy { kProduct, kTieTest, kDivision };
+template <CodeBy kBy, class T>
 __device__ __forceinline__ uint2 int_codes(const arch::Vec<T, 8>& v, float zero, float scale, float r, bool int4,
                                            bool& near) {
   const float top = int4 ? 15.f : 255.f, eps = (top + 2.f) * 0x1p-22f;
@@ -71,11 +75,19 @@ __device__ __forceinline__ uint2 int_codes(const arch::Vec<T, 8>& v, float zero,
   for (int k = 0; k < 8; ++k) {
     const float n = arch::to_float(v.v[k]) - zero;
     float c;
-    if constexpr (kFast) {
+    if constexpr (kBy == CodeBy::kProduct) {
       c = fmaf(n, r, kRoundMagic);
       near |= !(fabsf(fmaf(n, r, kRoundMagic - c)) < 0.5f - eps);  // the product's distance to its integer
-    } else {
+    } else if constexpr (kBy == CodeBy::kDivision) {
       c = rintf(n / scale) + kRoundMagic;
+    } else {
+      // The spec's rint(fl(n / scale)) without dividing: fl(n / scale) is the half-integer h next to
+      // the product exactly when n == h scale (h scale is exact: at most 10 + 11 significant bits;
+      // n's and h scale's grids leave no other quotient within half an ulp of h), and otherwise lies
+      // on the side of h that n - h scale (its sign exact by the fma) says. A tie rounds to even
+      // as h + kRoundMagic does.
+      const float h = floorf(n * r) + 0.5f, e = fmaf(-h, scale, n);
+      c = (h + (e > 0.f ? 0.5f : e < 0.f ? -0.5f : 0.f)) + kRoundMagic;
     }
     m[k] = fminf(fmaxf(c, kRoundMagic), kRoundMagic + top);
   }
@@ -94,16 +106,20 @@ template <class A, class T>
 __device__ __forceinline__ uint2 e4m3x8_divided(const arch::Vec<T, 8>& v, float s) {
   return e4m3x8<A>(v, [s](float x) { return x / s; });
 }
-// e4m3(v / s) of 8 values from two products that bracket the quotient: v r (1 -+ 2^-20) lie on either
-// side of fl(v / s) (their errors are 4 x 2^-24 at most), and e4m3 rounding is monotone, so equal bytes
-// are the quotient's bytes. Unequal ones set `near`.
+// e4m3(v / s) of 8 values from products with r = fl(1 / s). Where r is exact (s a power of two, as
+// kv_scale 1 is: s r == 1), v r rounds once to fl(v / s), ties included. Else two products
+// v r (1 -+ 2^-20) lie on either side of fl(v / s) (their errors are 4 x 2^-24 at most), and e4m3
+// rounding is monotone, so equal bytes are the quotient's bytes; unequal ones set `near`.
 template <class A, class T>
-__device__ __forceinline__ uint2 e4m3x8_bracketed(const arch::Vec<T, 8>& v, float r_lo, float r_hi, bool& near) {
+__device__ __forceinline__ uint2 e4m3x8_by_reciprocal(const arch::Vec<T, 8>& v, float r, bool exact, bool& near) {
+  if (exact) return e4m3x8<A>(v, [r](float x) { return x * r; });
+  const float r_lo = r * (1.f - 0x1p-20f), r_hi = r * (1.f + 0x1p-20f);
   const uint2 lo = e4m3x8<A>(v, [r_lo](float x) { return x * r_lo; });
   const uint2 hi = e4m3x8<A>(v, [r_hi](float x) { return x * r_hi; });
   near |= lo.x != hi.x || lo.y != hi.y;
   return lo;
 }
+__device__ __forceinline__ bool exact_reciprocal(float s, float r) { return fmaf(s, r, -1.f) == 0.f; }
 
 // The quantized row of one token, from the values the 16-bit row would hold (rounded to T, as the
 // reference quantizes them): lat[i] holds latent values (i * 32 + lane) * 8 .. + 8, pe on lanes < 8
@@ -120,17 +136,16 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
   // Stored element indices of this lane's vectors (multiples of 8 values).
   const int e_lat[2] = {layout.latent_offset + lane * 8, layout.latent_offset + (32 + lane) * 8};
   const int e_pe = layout.rope_offset + lane * 8;
-  constexpr float kBracket = 0x1p-20f;
 
   switch (layout.format) {
     case KvFormat::kFp8: {
       const float s = layout.kv_scale, r = 1.f / s;
-      const float r_lo = r * (1.f - kBracket), r_hi = r * (1.f + kBracket);
-      bool near = !normal_reciprocal(r);
+      const bool exact = exact_reciprocal(s, r);
+      bool near = !exact && !normal_reciprocal(r);
       uint2 w[3];
-      w[0] = e4m3x8_bracketed<A>(lat[0], r_lo, r_hi, near);
-      w[1] = e4m3x8_bracketed<A>(lat[1], r_lo, r_hi, near);
-      if (has_pe) w[2] = e4m3x8_bracketed<A>(pe, r_lo, r_hi, near);
+      w[0] = e4m3x8_by_reciprocal<A>(lat[0], r, exact, near);
+      w[1] = e4m3x8_by_reciprocal<A>(lat[1], r, exact, near);
+      if (has_pe) w[2] = e4m3x8_by_reciprocal<A>(pe, r, exact, near);
       if (near) {
         w[0] = e4m3x8_divided<A>(lat[0], s);
         w[1] = e4m3x8_divided<A>(lat[1], s);
@@ -156,7 +171,7 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
         for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(f(lat[i], k)));
         scale[i] = fmaxf(group_max<16>(amax) / 448.f, kFltMin);
         const float r = 1.f / scale[i];  // normal: scale is in [FLT_MIN, FLT_MAX / 448]
-        w[i] = e4m3x8_bracketed<A>(lat[i], r * (1.f - kBracket), r * (1.f + kBracket), near);
+        w[i] = e4m3x8_by_reciprocal<A>(lat[i], r, exact_reciprocal(scale[i], r), near);
       }
       if (near) {
         w[0] = e4m3x8_divided<A>(lat[0], scale[0]);
@@ -199,14 +214,21 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       const bool flat = !(scale > 0.f);
       uint2 w[3] = {};
       if (!flat) {
-        bool near = !normal_reciprocal(r);
-        w[0] = int_codes<true>(lat[0], zero, scale, r, int4, near);
-        w[1] = int_codes<true>(lat[1], zero, scale, r, int4, near);
-        if (has_pe) w[2] = int_codes<true>(pe, zero, scale, r, int4, near);
-        if (near) {
-          w[0] = int_codes<false>(lat[0], zero, scale, r, int4, near);
-          w[1] = int_codes<false>(lat[1], zero, scale, r, int4, near);
-          if (has_pe) w[2] = int_codes<false>(pe, zero, scale, r, int4, near);
+        if (normal_reciprocal(r)) {
+          bool near = false;
+          w[0] = int_codes<CodeBy::kProduct>(lat[0], zero, scale, r, int4, near);
+          w[1] = int_codes<CodeBy::kProduct>(lat[1], zero, scale, r, int4, near);
+          if (has_pe) w[2] = int_codes<CodeBy::kProduct>(pe, zero, scale, r, int4, near);
+          if (near) {
+            w[0] = int_codes<CodeBy::kTieTest>(lat[0], zero, scale, r, int4, near);
+            w[1] = int_codes<CodeBy::kTieTest>(lat[1], zero, scale, r, int4, near);
+            if (has_pe) w[2] = int_codes<CodeBy::kTieTest>(pe, zero, scale, r, int4, near);
+          }
+        } else {
+          bool unused = false;
+          w[0] = int_codes<CodeBy::kDivision>(lat[0], zero, scale, r, int4, unused);
+          w[1] = int_codes<CodeBy::kDivision>(lat[1], zero, scale, r, int4, unused);
+          if (has_pe) w[2] = int_codes<CodeBy::kDivision>(pe, zero, scale, r, int4, unused);
         }
       }
       auto put = [&](const uint2& wv, int e) {
