@@ -51,8 +51,10 @@ __device__ __forceinline__ float warp_min(float x) {
 // the int4 ones does (exact ties); with a power-of-two fp8 scale no lane needs to.
 constexpr float kRoundMagic = 12582912.f;  // 1.5 x 2^23: v + it rounds v to an integer (ties to even) in the low bits
 
+constexpr float kFltMin = 1.17549435e-38f;  // the smallest normal float (fp8_ds_mla's scale floor)
+
 // Whether r (a reciprocal) is normal and finite: the products' relative error bounds need it.
-__device__ __forceinline__ bool normal_reciprocal(float r) { return r >= 1.17549435e-38f && r < INFINITY; }
+__device__ __forceinline__ bool normal_reciprocal(float r) { return r >= kFltMin && r < INFINITY; }
 
 // The low bytes of a, b, c, d as one word, a's lowest.
 __device__ __forceinline__ uint32_t low_bytes(float a, float b, float c, float d) {
@@ -193,6 +195,12 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
   // Stored element indices of this lane's vectors (multiples of 8 values).
   const int e_lat[2] = {layout.latent_offset + lane * 8, layout.latent_offset + (32 + lane) * 8};
   const int e_pe = layout.rope_offset + lane * 8;
+  // encode(vector, its output) over the lane's vectors: lat[0], lat[1], and pe on lanes < 8.
+  auto for_vectors = [&](auto&& encode, uint2 (&out)[3]) {
+    encode(lat[0], out[0]);
+    encode(lat[1], out[1]);
+    if (has_pe) encode(pe, out[2]);
+  };
 
   switch (layout.format) {
     case KvFormat::kFp8: {
@@ -200,14 +208,8 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       const bool exact = exact_reciprocal(s, r);
       bool near = !exact && !normal_reciprocal(r);
       uint2 w[3];
-      w[0] = e4m3x8_by_reciprocal<A>(lat[0], r, exact, near);
-      w[1] = e4m3x8_by_reciprocal<A>(lat[1], r, exact, near);
-      if (has_pe) w[2] = e4m3x8_by_reciprocal<A>(pe, r, exact, near);
-      if (near) {
-        w[0] = e4m3x8_divided<A>(lat[0], s);
-        w[1] = e4m3x8_divided<A>(lat[1], s);
-        if (has_pe) w[2] = e4m3x8_divided<A>(pe, s);
-      }
+      for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) { out = e4m3x8_by_reciprocal<A>(v, r, exact, near); }, w);
+      if (near) for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) { out = e4m3x8_divided<A>(v, s); }, w);
       *reinterpret_cast<uint2*>(row + e_lat[0]) = w[0];
       *reinterpret_cast<uint2*>(row + e_lat[1]) = w[1];
       if (has_pe) *reinterpret_cast<uint2*>(row + e_pe) = w[2];
@@ -216,7 +218,6 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
     case KvFormat::kFp8DsMla: {
       // Latent first (checked on the host). Tile of vector i: 2 * i + lane / 16, so a tile's amax is
       // a reduction over a half warp.
-      constexpr float kFltMin = 1.17549435e-38f;
       constexpr int kScales = kLatentDim, kRope = kLatentDim + 16;
       float scale[2];
       uint2 w[2];
@@ -261,21 +262,17 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       const bool flat = !(scale > 0.f);
       uint2 w[3] = {};
       if (!flat) {
+        bool near = false;
+        auto codes_by = [&](auto by) {
+          for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) {
+            out = int_codes<decltype(by)::value>(v, zero, scale, r, int4, near);
+          }, w);
+        };
         if (normal_reciprocal(r)) {
-          bool near = false;
-          w[0] = int_codes<CodeBy::kProduct>(lat[0], zero, scale, r, int4, near);
-          w[1] = int_codes<CodeBy::kProduct>(lat[1], zero, scale, r, int4, near);
-          if (has_pe) w[2] = int_codes<CodeBy::kProduct>(pe, zero, scale, r, int4, near);
-          if (near) {
-            w[0] = int_codes<CodeBy::kTieTest>(lat[0], zero, scale, r, int4, near);
-            w[1] = int_codes<CodeBy::kTieTest>(lat[1], zero, scale, r, int4, near);
-            if (has_pe) w[2] = int_codes<CodeBy::kTieTest>(pe, zero, scale, r, int4, near);
-          }
+          codes_by(std::integral_constant<CodeBy, CodeBy::kProduct>{});
+          if (near) codes_by(std::integral_constant<CodeBy, CodeBy::kTieTest>{});
         } else {
-          bool unused = false;
-          w[0] = int_codes<CodeBy::kDivision>(lat[0], zero, scale, r, int4, unused);
-          w[1] = int_codes<CodeBy::kDivision>(lat[1], zero, scale, r, int4, unused);
-          if (has_pe) w[2] = int_codes<CodeBy::kDivision>(pe, zero, scale, r, int4, unused);
+          codes_by(std::integral_constant<CodeBy, CodeBy::kDivision>{});
         }
       }
       auto put = [&](const uint2& wv, int e) {
