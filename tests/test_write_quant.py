@@ -282,6 +282,25 @@ def test_quantized_write_at_rounding_boundaries(kv_format, dtype, arch):
                    f"{kv_format} write at rounding boundaries, scale {scale}")
 
 
+@GPU
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # an fp16 scale's reciprocal never overflows
+def test_int_write_with_a_subnormal_scale(kv_format, dtype, arch):
+    """bf16 rows whose range makes the stored scale subnormal and its fp32 reciprocal overflow: the
+    kernels then divide as the spec does (no product with 1 / scale exists)."""
+    gen = torch.Generator().manual_seed(7)
+    top = 255 if kv_format == "int8" else 15
+    rows = ((torch.rand(32, 576, generator=gen) * 2 - 1) * (top * 1e-39)).to(dtype)
+    scale = ((rows.float().amax(1) - rows.float().amin(1)) / top).to(dtype).float()
+    assert bool((scale > 0).all() and torch.isinf(1 / scale).all()), "the case needs scales whose reciprocal overflows"
+    rows = rows.cuda()
+    storage, target = paged_target(kv_format, dtype, 4, 16, gen)
+    slots = torch.randperm(64, generator=gen)[:32].cuda()
+    want = target.expect(storage.clone(), rows, slots)
+    mla_kv.write_kv(rows[:, :512], rows[:, 512:], target.view(storage), slots, kv_format=kv_format, arch=arch)
+    assert same_bytes(storage, want), f"{kv_format}: bytes differ from the spec's (or untouched bytes changed)"
+
+
 # ------------------------------------------------------------------------------------ CPU
 def test_cpu_write_is_the_reference_quantizer():
     """CPU tensors run the reference: the bytes are quant.write_rows' of the rows."""
