@@ -336,8 +336,8 @@ MUTATIONS = (
              "in a pair's second tile)", focus=RESCALE_FOCUS),
     # ------------------------------------------------------------------ Hopper narrow decode (fp8 / int8 / int4)
     Mutation("narrow-q-power-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
-             "col_scale[q] = kScaledQ ? ldexpf(scale_log2, q_exp_s[col_of(q)]) : scale_log2;",
-             "col_scale[q] = scale_log2;", T_QUANT_ATTENTION,
+             "score_scale_s[tid] = kScaledQ ? ldexpf(scale_log2, q_exp_s[tid]) : scale_log2;",
+             "score_scale_s[tid] = scale_log2;", T_QUANT_ATTENTION,
              "narrow kernel, fp8 with bf16 q: a q row's power of two is not put back into its scores",
              focus="beyond"),
     Mutation("narrow-zero-score-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
@@ -363,7 +363,7 @@ MUTATIONS = (
              "narrow kernel, int8 / int4: O is not rescaled when a tile's scales raise the power of two "
              "P s_t enters the products under", focus="scale_rise"),
     Mutation("narrow-merge-one-warpgroup", "attention", ("Sm90",), ("quantized", "softmax"), NARROW_CUH,
-             "total_l[q] = l0 * f0 + l1 * f1;", "total_l[q] = l0 * f0;", T_QUANT_ATTENTION,
+             "total_l[q] += l * fk;", "total_l[q] += k == 0 ? l * fk : 0.f;", T_QUANT_ATTENTION,
              "narrow kernel: rows normalized by warpgroup 0's sum alone (wrong past 64 keys)"),
     # ------------------------------------------------------------------ expanded-form kernel (Sm70 / Sm75)
     Mutation("expanded-causal-one-late", "expanded", ("Sm70", "Sm75"), ("mask", "prefill"), EXPANDED_CUH,

@@ -30,8 +30,9 @@
 //     two score rows are one 32-bit P pair and its V tokens are those = c mod 4;
 //   - the 512 output columns: row 16 w + g + 8 h of M tile i is column 16 (8 w + g) + 2 i + h, so a
 //     thread's 16 columns are consecutive bytes of a row.
-// A CTA has two math warpgroups taking alternate tiles (each its own online softmax, merged at the
-// end) and one copy warp that moves each tile's rows, a block's run per bulk copy, into a four-stage ring.
+// A CTA has two or three math warpgroups taking alternate tiles (each its own online softmax, merged at
+// the end; Groups below) and one copy warp that moves each tile's rows, a block's run per bulk copy,
+// into a ring of four to ten stages.
 #pragma once
 
 #include <type_traits>
@@ -47,16 +48,24 @@ namespace attention_detail {
 namespace narrow {
 
 constexpr int kTokens = 64;   // cache rows per tile (wgmma's M)
-constexpr int kGroups = 2;    // math warpgroups
-constexpr int kStages = 4;    // tile buffers of the ring: two per warpgroup
-constexpr int kMathThreads = 128 * kGroups;
-constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
-// The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
-constexpr int kMathRegisters = 232, kCopyRegisters = 40;
-static_assert((kGroups * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kThreads) / 8 * 8 * kThreads,
-              "the CTA's register pool");
-constexpr int kBlocks = kRowDim / 64;        // 64-feature blocks of a row: 8 latent, 1 rope
-constexpr int kEpilogueBarrier = 1 + kGroups;  // named barriers 1, 2: a warpgroup's own
+constexpr int kBlocks = kRowDim / 64;  // 64-feature blocks of a row: 8 latent, 1 rope
+
+// Math warpgroups take alternate tiles, each its own online softmax, merged at the end. Each runs
+// its tile as one dependent chain (convert, wgmma, softmax over two named barriers, convert, wgmma),
+// so the warps per scheduler set the pace (ncu at two: 0.43 instructions issued per scheduler and
+// cycle). At N = 16 a third warpgroup fits: (3 x 152 + 56) x 128 = 65,536 registers with the copy
+// warpgroup's 56; at N = 24 (96 accumulators) 152 would spill, so two at 224.
+template <int N>
+struct Groups {
+  static constexpr int kGroups = N == 16 ? 3 : 2;
+  static constexpr int kMathThreads = 128 * kGroups;
+  static constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
+  // The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
+  static constexpr int kMathRegisters = kGroups == 3 ? 152 : 224, kCopyRegisters = 56;
+  static_assert((kGroups * kMathRegisters + kCopyRegisters) * 128 <= (65536 / kThreads) / 8 * 8 * kThreads,
+                "the CTA's register pool");
+  static constexpr int kEpilogueBarrier = 1 + kGroups;  // named barriers 1 .. kGroups: a warpgroup's own
+};
 
 constexpr bool supports(KvFormat f) { return f == KvFormat::kFp8 || f == KvFormat::kInt8 || f == KvFormat::kInt4; }
 
@@ -72,19 +81,28 @@ struct Format {
 
 template <KvFormat F, int N>
 struct Smem {
+  static constexpr int kGroups = Groups<N>::kGroups;
   static constexpr size_t kQ = 0;                                         // Q^T: 9 chunks of N rows
   static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T per warpgroup
   static constexpr size_t kRing = kP + size_t(kGroups) * N * arch::kSwizzleRowBytes;
+  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N],
+  // kv limit [N], the tile's largest int scale [kGroups][4], score scale [N]
+  static constexpr size_t kStatFloats =
+      size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + 2 * N + size_t(kGroups) * 4 + N;
+  static constexpr size_t kFixedBytes = kRing + kStatFloats * sizeof(float) + 8 + arch::kSwizzleAtomBytes;
+  // Tile buffers of the ring: as many as fit beside the rest, up to four per warpgroup; at two
+  // warpgroups an even number, so that a stage's tiles are one warpgroup's (at three, the tile loop's
+  // barrier guard covers the rest). fp8 / int8: 5 at three warpgroups, 4 at two; int4: 10, 8.
+  static constexpr int kFit = int(std::min<size_t>(4 * kGroups, (size_t(kSmemHopper.per_block) - kFixedBytes) /
+                                                                   (Format<F>::kStageBytes + 2 * sizeof(uint64_t))));
+  static constexpr int kStages = kGroups == 2 ? kFit / 2 * 2 : kFit;
   static constexpr size_t kRingBytes = size_t(kStages) * Format<F>::kStageBytes;
   static constexpr size_t kStats = kRing + kRingBytes;  // floats
-  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N],
-  // kv limit [N], the tile's largest int scale [kGroups][4]
-  static constexpr size_t kStatFloats =
-      size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + 2 * N + size_t(kGroups) * 4;
   static constexpr size_t kBarriers = (kStats + kStatFloats * sizeof(float) + 7) / 8 * 8;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
-  // The epilogue's [N][512] fp32 partial of warpgroup 1 lies over the ring.
-  static_assert(kRingBytes >= size_t(N) * kLatentDim * sizeof(float), "the merge buffer fits in the ring");
+  // The epilogue's [N][512] fp32 partials of warpgroups 1 .. kGroups - 1 lie over the ring.
+  static_assert(kStages > kGroups, "a tile in flight per warpgroup and one landing");
+  static_assert(kRingBytes >= size_t(kGroups - 1) * N * kLatentDim * sizeof(float), "the merge buffers fit in the ring");
   static_assert(kBytes <= size_t(kSmemHopper.per_block), "Hopper's shared memory per CTA");
 };
 
@@ -179,14 +197,15 @@ __device__ __forceinline__ uint32_t warp_total(uint32_t x) {
 #endif
 }
 
-// The copy warp: tile t's rows into ring stage t % kStages once that stage's readers have freed it.
+// The copy warp: tile t's rows into ring stage t % kStages once that stage's readers have freed it, in
+// tile order (the math warpgroups' barrier waits rely on it).
 // A tile's rows come in runs, one per lane: where a block's rows lie back to back (row stride = the
 // row's bytes, and blocks of 4 rows or more), a run is all of the tile's rows in one block, moved by
 // one bulk copy (and its int (scale, zero) pairs by another); else a run is one row. Bulk copies of
 // single rows ran the tile ring dry (ncu: the math warps waited on it 59% of the time) at a copy per
 // ~85 cycles. Rows the CTA does not see (past kv_hi, or in no block) are zeros; a run not 16-byte
 // aligned (block pointers) is copied by the lane itself.
-template <KvFormat F, class Rows>
+template <KvFormat F, int kStages, class Rows>
 __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsigned char* ring, uint64_t* full,
                                            uint64_t* empty, int lane) {
   using Fmt = Format<F>;
@@ -258,10 +277,16 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
 }
 
 template <class T, class Rows, KvFormat F, int N>
-__global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
+__global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<arch::Sm90>()) {
     using Fmt = Format<F>;
     using S = Smem<F, N>;
+    constexpr int kGroups = Groups<N>::kGroups, kMathThreads = Groups<N>::kMathThreads, kThreads = Groups<N>::kThreads;
+    constexpr int kStages = S::kStages, kEpilogueBarrier = Groups<N>::kEpilogueBarrier;
+    // Three warpgroups' registers (152) hold half the A fragments per commit group (kBatch wgmmas) and
+    // no V bytes loaded a k step ahead; the other warpgroups' work hides those latencies instead.
+    constexpr int kBatch = kGroups == 2 ? 4 : 2;
+    constexpr bool kLoadAhead = kGroups == 2;
     using M = __half;  // the products' type (the top of the file)
     using Mma = arch::WgmmaRegA<M, N>;
     constexpr bool kScaledQ = !std::is_same_v<M, T>;
@@ -279,6 +304,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     int* q_exp_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]
     int* limit_s = q_exp_s + N;                                    // [N]: a column's kv positions end
     float* smax_s = reinterpret_cast<float*>(limit_s + N);         // [group][warp]
+    // [N]: a column's score scale; its q row's power of two goes back in here (read per tile: a
+    // register each was one too many at three warpgroups)
+    float* score_scale_s = smax_s + kGroups * 4;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
     uint64_t* empty = full + kStages;
 
@@ -326,14 +354,18 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
         *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s + 1) + 4 * c) = words[2 * s + 1];
       }
     }
+    if (tid < N) {
+      const float scale_log2 = p.softmax_scale * kLog2e * (F == KvFormat::kFp8 ? rows.cache.row.kv_scale : 1.f);
+      score_scale_s[tid] = kScaledQ ? ldexpf(scale_log2, q_exp_s[tid]) : scale_log2;
+    }
     arch::fence_proxy_async();
     __syncthreads();  // Q^T and the mbarriers are ready
     if (warp >= kMathThreads / 32) {
-      arch::shrink_registers<kCopyRegisters>();
-      if (warp == kMathThreads / 32) copy_tiles<F>(rows, w, ring, full, empty, lane);
+      arch::shrink_registers<Groups<N>::kCopyRegisters>();
+      if (warp == kMathThreads / 32) copy_tiles<F, kStages>(rows, w, ring, full, empty, lane);
       return;
     }
-    arch::grow_registers<kMathRegisters>();
+    arch::grow_registers<Groups<N>::kMathRegisters>();
     if constexpr (kInt) {  // the row sums of q as it enters the products
       for (int n = warp; n < N; n += kMathThreads / 32) {
         float sum = 0.f;
@@ -358,7 +390,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     const int latent_byte = dequant::vector_byte(F, stored_column(layout, 0));
     const int rope_byte = dequant::vector_byte(F, stored_column(layout, kLatentDim));
     const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
-    const float scale_log2 = p.softmax_scale * kLog2e * kv_scale;
     unsigned char* p_s = smem + S::kP + group * N * arch::kSwizzleRowBytes;
     const uint64_t q_desc = arch::swizzled_desc(q_s, 16, arch::kSwizzleAtomBytes);
     const uint64_t p_desc = arch::swizzled_desc(p_s, 16, arch::kSwizzleAtomBytes);
@@ -368,9 +399,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       const int token = 16 * s + c + (k == 0 ? 0 : k == 1 ? 8 : k == 2 ? 4 : 12);
       return load_raw<F>(st + token * Fmt::kRowBytes + latent_byte + u * Fmt::kThreadBytes);
     };
-    float col_scale[kCols];  // a column's score scale: its q row's power of two goes back in here
-#pragma unroll
-    for (int q = 0; q < kCols; ++q) col_scale[q] = kScaledQ ? ldexpf(scale_log2, q_exp_s[col_of(q)]) : scale_log2;
 
     float acc[8][N / 2];
 #pragma unroll
@@ -387,6 +415,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
     for (int t = group; t < tiles; t += kGroups) {
       const int stage = t % kStages, first = w.kv_lo + t * kTokens;
       const unsigned char* st = ring + stage * Fmt::kStageBytes;
+      // A parity wait is only sound on a barrier at most one phase behind. Where a stage's tiles are
+      // not all this warpgroup's (kStages % kGroups != 0), tile t - kStages (another warpgroup's) may
+      // not have landed yet, so first wait for it to be read: the in-order copy warp has issued tile
+      // t - kGroups, which landed, hence tile t - kStages before it, for which it waited on tile
+      // t - 2 kStages being read; the empty barrier is then at most one phase behind, and the full
+      // barrier, once tile t - kStages is read, too.
+      if constexpr (kStages % kGroups != 0) {
+        if (t >= kStages) arch::mbarrier_wait(&empty[stage], (t / kStages - 1) & 1);
+      }
       arch::mbarrier_wait(&full[stage], (t / kStages) & 1);
       float row_scale[2] = {1.f, 1.f}, row_zero[2] = {0.f, 0.f};
       if constexpr (kInt) {
@@ -397,39 +434,47 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           row_zero[h] = sz.y;
         }
       }
-      // S^T = K . Q^T, a 64-feature block per batch of 4 wgmmas; the next block converts under it.
+      // S^T = K . Q^T, a 64-feature block per 4 / kBatch batches of kBatch wgmmas; the next batch converts
+      // under each.
       float sc[N / 2];
 #pragma unroll
       for (int k = 0; k < N / 2; ++k) sc[k] = 0.f;
-      Raw16<F> v_next[4];  // the V pass's first k step, loaded under the softmax
+      Raw16<F> v_next[4];  // kLoadAhead: the V pass's next k step (the first loaded under the softmax)
       {
         auto k_raw = [&](int j, int row) {
           const int byte = (j < 8 ? latent_byte + j * Fmt::kBlockBytes : rope_byte) + c * Fmt::kThreadBytes;
           return load_raw<F>(st + row * Fmt::kRowBytes + byte);
         };
-        uint32_t a[2][4][4];
+        uint32_t a[2][kBatch][4];
         // Block j + 1's bytes are loaded before block j converts: the load's latency hides under it.
-        Raw16<F> n0 = k_raw(0, r0), n1 = k_raw(0, r0 + 8);
+        Raw16<F> n0 = k_raw(0, r0), n1 = k_raw(0, r0 + 8), x0, x1;
+        // One flat loop over the batches (block j, part h): nested, nvcc left the block loop rolled at N = 24.
+        constexpr int kParts = 4 / kBatch;
 #pragma unroll
-        for (int j = 0; j < kBlocks; ++j) {
-          const Raw16<F> x0 = n0, x1 = n1;
-          if (j + 1 < kBlocks) {
-            n0 = k_raw(j + 1, r0);
-            n1 = k_raw(j + 1, r0 + 8);
-          } else {
+        for (int batch = 0; batch < kBlocks * kParts; ++batch) {
+          const int j = batch / kParts, h = batch % kParts;
+          if (h == 0) {
+            x0 = n0, x1 = n1;
+            if (j + 1 < kBlocks) {
+              n0 = k_raw(j + 1, r0);
+              n1 = k_raw(j + 1, r0 + 8);
+            } else if constexpr (kLoadAhead) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) v_next[k] = v_raw(st, 0, k);
+              for (int k = 0; k < 4; ++k) v_next[k] = v_raw(st, 0, k);
+            }
           }
-          if (j >= 2) arch::wgmma_wait<1>();  // block j - 2's wgmmas have read a[j % 2]
+          if (batch >= 2) arch::wgmma_wait<1>();  // batch - 2's wgmmas have read a[batch % 2]
 #pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            k_pairs<F>(x0, s, a[j % 2][s][0], a[j % 2][s][2]);
-            k_pairs<F>(x1, s, a[j % 2][s][1], a[j % 2][s][3]);
+          for (int i = 0; i < kBatch; ++i) {
+            k_pairs<F>(x0, kBatch * h + i, a[batch % 2][i][0], a[batch % 2][i][2]);
+            k_pairs<F>(x1, kBatch * h + i, a[batch % 2][i][1], a[batch % 2][i][3]);
           }
           arch::wgmma_fence();
 #pragma unroll
-          for (int s = 0; s < 4; ++s)
-            Mma::mma(sc, a[j % 2][s], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
+          for (int i = 0; i < kBatch; ++i) {
+            const int s = kBatch * h + i;
+            Mma::mma(sc, a[batch % 2][i], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
+          }
           arch::wgmma_commit();
         }
         arch::wgmma_wait<0>();
@@ -441,13 +486,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(q);
         const int limit = limit_s[col];
+        const float score_scale = score_scale_s[col];
         const float qsum = kInt ? qsum_s[col] : 0.f;
         tile_max[q] = -INFINITY;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
           if constexpr (kInt) x = row_scale[h] * x + row_zero[h] * qsum;
-          x = first + r0 + 8 * h < limit ? x * col_scale[q] : -INFINITY;
+          x = first + r0 + 8 * h < limit ? x * score_scale : -INFINITY;
           tile_max[q] = fmaxf(tile_max[q], x);
         }
 #pragma unroll
@@ -516,31 +562,38 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
           }
         }
       }
-      // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; half of the
-      // 8 M tiles per batch of wgmmas, the other half converting under it.
+      // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; kBatch of the
+      // 8 M tiles per batch of wgmmas, the next batch converting under it.
       {
-        uint32_t a[2][4][4];
+        uint32_t a[2][kBatch][4];
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           Raw16<F> x[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            x[k] = v_next[k];
-            if (s + 1 < 4) v_next[k] = v_raw(st, s + 1, k);
+            if constexpr (kLoadAhead) {
+              x[k] = v_next[k];
+              if (s + 1 < 4) v_next[k] = v_raw(st, s + 1, k);
+            } else {
+              x[k] = v_raw(st, s, k);
+            }
           }
+          // The tile's last bytes are in registers (A comes from them): the copy warp may refill the
+          // stage under the last conversions and wgmmas.
+          if (s == 3) arch::mbarrier_arrive(&empty[stage]);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int batch = 2 * s + half;
+          for (int part = 0; part < 8 / kBatch; ++part) {
+            const int batch = (8 / kBatch) * s + part;
             if (batch >= 2) arch::wgmma_wait<1>();
 #pragma unroll
-            for (int ii = 0; ii < 4; ++ii) {
-              v_pairs<F>(x[0], x[1], 4 * half + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
-              v_pairs<F>(x[2], x[3], 4 * half + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
+            for (int ii = 0; ii < kBatch; ++ii) {
+              v_pairs<F>(x[0], x[1], kBatch * part + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
+              v_pairs<F>(x[2], x[3], kBatch * part + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
             }
             arch::wgmma_fence();
 #pragma unroll
-            for (int ii = 0; ii < 4; ++ii)
-              Mma::mma(acc[4 * half + ii], a[batch % 2][ii], arch::desc_advance(p_desc, s * 32), 1);
+            for (int ii = 0; ii < kBatch; ++ii)
+              Mma::mma(acc[kBatch * part + ii], a[batch % 2][ii], arch::desc_advance(p_desc, s * 32), 1);
             arch::wgmma_commit();
           }
         }
@@ -548,10 +601,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
 #pragma unroll
         for (int i = 0; i < 8; ++i) arch::pin_registers(acc[i]);
       }
-      arch::mbarrier_arrive(&empty[stage]);
     }
 
-    // Epilogue: the two warpgroups' states meet in shared memory; warpgroup 0 writes the rows.
+    // Epilogue: the warpgroups' states meet in shared memory; warpgroup 0 writes the rows.
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       float l = l_run[q], cr = corr_run[q];
@@ -567,42 +619,48 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);  // and every tile is read: the ring is free
-    // [N][512]: warpgroup 1's O, at the merged max. A thread's 16 floats of a row are 4 16-byte chunks,
-    // chunk (4 u + i) ^ (col / 2 % 4), so that a quarter warp (2 u x 4 columns) meets 8 chunks mod 8:
-    // all 32 banks (unswizzled, its 4 columns of a u hit the same ones).
+    // [kGroups - 1][N][512]: warpgroup k's O (k >= 1) at the merged max. A thread's 16 floats of a row
+    // are 4 16-byte chunks, chunk (4 u + i) ^ (col / 2 % 4), so that a quarter warp (2 u x 4 columns)
+    // meets 8 chunks mod 8: all 32 banks (unswizzled, its 4 columns of a u hit the same ones).
     float* merge = reinterpret_cast<float*>(ring);
-    auto merge_chunk = [&](int col, int i) { return reinterpret_cast<float4*>(merge + col * kLatentDim) + ((4 * u + i) ^ ((col >> 1) & 3)); };
+    auto merge_chunk = [&](int k, int col, int i) {
+      return reinterpret_cast<float4*>(merge + ((k - 1) * N + col) * kLatentDim) + ((4 * u + i) ^ ((col >> 1) & 3));
+    };
     float factor[kCols], total_l[kCols], total_corr[kCols], merged_max[kCols];
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       const int col = col_of(q);
-      const float m0 = m_s[col], m1 = m_s[N + col], m = fmaxf(m0, m1);
-      const float f0 = m0 == -INFINITY ? 0.f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.f : exp2f(m1 - m);
-      float l0 = 0.f, l1 = 0.f, c0 = 0.f, c1 = 0.f;
+      float m = m_s[col];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        l0 += l_s[k * N + col];
-        l1 += l_s[(4 + k) * N + col];
-        c0 += corr_s[k * N + col];
-        c1 += corr_s[(4 + k) * N + col];
+      for (int k = 1; k < kGroups; ++k) m = fmaxf(m, m_s[k * N + col]);
+      total_l[q] = total_corr[q] = 0.f;
+#pragma unroll
+      for (int k = 0; k < kGroups; ++k) {
+        const float mk = m_s[k * N + col], fk = mk == -INFINITY ? 0.f : exp2f(mk - m);
+        float l = 0.f, cr = 0.f;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          l += l_s[(4 * k + x) * N + col];
+          cr += corr_s[(4 * k + x) * N + col];
+        }
+        total_l[q] += l * fk;
+        total_corr[q] += cr * fk;
+        if (k == group) factor[q] = fk * (kInt ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
       }
-      factor[q] = (group == 0 ? f0 : f1) * (kInt ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
-      total_l[q] = l0 * f0 + l1 * f1;
-      total_corr[q] = c0 * f0 + c1 * f1;
       merged_max[q] = m;
     }
-    if (group == 1) {
+    if (group > 0) {
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int lo = 4 * (q / 2) + (q % 2), hi = lo + 2;  // the column's values of an M tile (h = 0, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          *merge_chunk(col_of(q), i) = make_float4(acc[2 * i][lo] * factor[q], acc[2 * i][hi] * factor[q],
-                                                   acc[2 * i + 1][lo] * factor[q], acc[2 * i + 1][hi] * factor[q]);
+          *merge_chunk(group, col_of(q), i) = make_float4(acc[2 * i][lo] * factor[q], acc[2 * i][hi] * factor[q],
+                                                          acc[2 * i + 1][lo] * factor[q], acc[2 * i + 1][hi] * factor[q]);
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
-    if (group == 1) return;
+    if (group > 0) return;
     const bool split = p.num_splits > 1;
     const int64_t total_rows = p.total_q_tokens * p.num_heads;
 #pragma unroll
@@ -619,7 +677,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_narrow_kernel(const Att
       float o[16];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float4 b = *merge_chunk(col, i);
+        float4 b = *merge_chunk(1, col, i);
+#pragma unroll
+        for (int k = 2; k < kGroups; ++k) {
+          const float4 x = *merge_chunk(k, col, i);
+          b = make_float4(b.x + x.x, b.y + x.y, b.z + x.z, b.w + x.w);
+        }
         o[4 * i] = (acc[2 * i][lo] * factor[q] + b.x + total_corr[q]) * inv;
         o[4 * i + 1] = (acc[2 * i][hi] * factor[q] + b.y + total_corr[q]) * inv;
         o[4 * i + 2] = (acc[2 * i + 1][lo] * factor[q] + b.z + total_corr[q]) * inv;
@@ -672,7 +735,7 @@ Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
   const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
-  kernel<<<dim3(grid_x, p.num_splits), kThreads, kBytes, stream>>>(p, rows);
+  kernel<<<dim3(grid_x, p.num_splits), Groups<N>::kThreads, kBytes, stream>>>(p, rows);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
