@@ -354,8 +354,10 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s + 1) + 4 * c) = words[2 * s + 1];
       }
     }
+    const RowLayout& layout = rows.cache.row;
+    const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
     if (tid < N) {
-      const float scale_log2 = p.softmax_scale * kLog2e * (F == KvFormat::kFp8 ? rows.cache.row.kv_scale : 1.f);
+      const float scale_log2 = p.softmax_scale * kLog2e * kv_scale;
       score_scale_s[tid] = kScaledQ ? ldexpf(scale_log2, q_exp_s[tid]) : scale_log2;
     }
     arch::fence_proxy_async();
@@ -386,10 +388,8 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
     const int wq = warp % 4, g = lane / 4, c = lane % 4;
     const int r0 = 16 * wq + g;  // the thread's score rows (tokens) r0, r0 + 8
     const int u = 8 * wq + g;    // its output columns 16 u .. 16 u + 15
-    const RowLayout& layout = rows.cache.row;
     const int latent_byte = dequant::vector_byte(F, stored_column(layout, 0));
     const int rope_byte = dequant::vector_byte(F, stored_column(layout, kLatentDim));
-    const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
     unsigned char* p_s = smem + S::kP + group * N * arch::kSwizzleRowBytes;
     const uint64_t q_desc = arch::swizzled_desc(q_s, 16, arch::kSwizzleAtomBytes);
     const uint64_t p_desc = arch::swizzled_desc(p_s, 16, arch::kSwizzleAtomBytes);
