@@ -197,6 +197,11 @@ DECODE_CASES = {
     "sq1-h20-bs16": dict(s_q=1, heads=20, block_size=16, lens=[16, 17, 300], shared=1, splits=4),
     # 30 (token, head) rows: past the narrow kernel's widest tile (N = 24), the 64-row kernel's
     "sq2-h15-bs64": dict(s_q=2, heads=15, block_size=64, lens=[2, 129, 200], shared=1, splits=2),
+    # One split over 24 tiles: the narrow kernel's ring (4-10 stages) refilled twice or more per CTA,
+    # at N = 16 by three warpgroups whose stages hold tiles of alternating warpgroups, at N = 24 by two.
+    # (The cases above give a CTA at most 4 tiles, which no ring stage reuses.)
+    "sq1-h16-long": dict(s_q=1, heads=16, block_size=64, lens=[3, 1500], shared=0, splits=1),
+    "sq1-h20-long": dict(s_q=1, heads=20, block_size=64, lens=[1500, 70], shared=1, splits=1),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)
@@ -455,6 +460,18 @@ def test_decode_quantized_scale_rise(kv_format, dtype, arch):
     """Keys whose int scales rise 2^12-fold after the fourth tile: the narrow kernel's O, kept in units
     of its scales' running power of two, must be rescaled when that power rises."""
     run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_scale_rise)
+
+
+@GPU
+@pytest.mark.parametrize("case", ["sq1-h16-long", "sq1-h20-long"])
+@pytest.mark.parametrize("form", ["paged", "blocks"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_decode_quantized_long_context(kv_format, dtype, form, case, arch):
+    """24 tiles in one CTA (the forced one-split schedule): every stage of the narrow kernel's ring is
+    refilled while the other warpgroups still read theirs (a stage freed too early, or a warpgroup
+    passing its wait on a stage's previous phase, reads the next tile's bytes)."""
+    run_decode_case(kv_format, dtype, case, form, arch)
 
 
 @GPU
