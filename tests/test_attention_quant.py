@@ -403,7 +403,7 @@ def plant_score_jumps(cache, q_full, form):
     return cache, q_full
 
 
-SCALE_RISE_KEYS = 256  # the longest sequence's first four tiles of 64: two per Hopper warpgroup
+SCALE_RISE_KEYS = 256  # the longest sequence's first four tiles of 64: one or two per Hopper warpgroup
 SCALE_RISE = 2.0 ** -12
 
 
@@ -458,8 +458,10 @@ def test_decode_quantized_score_jumps(kv_format, dtype, arch):
 @pytest.mark.parametrize("kv_format", ["int8", "int4"])
 def test_decode_quantized_scale_rise(kv_format, dtype, arch):
     """Keys whose int scales rise 2^12-fold after the fourth tile: the narrow kernel's O, kept in units
-    of its scales' running power of two, must be rescaled when that power rises."""
-    run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_scale_rise)
+    of its scales' running power of two, must be rescaled when that power rises. The one-split case, so
+    that each of the three warpgroups (tiles t = k mod 3) meets the rise after a tile of its own; the
+    other cases' splits give a CTA at most 4 tiles."""
+    run_decode_case(kv_format, dtype, "sq1-h16-long", "paged", arch, plant=plant_scale_rise)
 
 
 @GPU
