@@ -318,14 +318,18 @@ def check_both(out, lse, refs, dtype, what, cu_q_lens=None):
                     lse_tol=SPEC_LSE_TOL[dtype])
 
 
-def reads_exact_codes(kv_format, arch, rows, schedule):
-    """Whether the launch takes Hopper's narrow decode kernel (attention_sm90_narrow.cuh), which feeds its
-    MMAs the codes themselves and applies the scales in fp32: it then matches the spec at the 16-bit
-    tolerances, and the reference over values rounded to q's dtype is not what it computes. It serves
-    uniform decode batches of up to 24 (token, head) rows over fp8 / int8 / int4 caches, with the
-    default tile loads ("cp.async" keeps the 64-row kernel, whose dequantization the tests run so)."""
-    return (arch is None and torch.cuda.get_device_capability() == (9, 0) and kv_format in ("fp8", "int8", "int4")
-            and rows <= 24 and (schedule is None or schedule.tile_loads == "auto"))
+def narrow_kernel(arch, rows, schedule):
+    """Whether the launch takes Hopper's narrow decode kernel (attention_sm90_narrow.cuh): uniform decode
+    batches of up to 24 (token, head) rows over a quantized cache, with the default tile loads
+    ("cp.async" keeps the 64-row kernel, whose dequantization the tests run so). It feeds its score
+    MMAs the codes themselves and applies the scales in fp32 (fp8_ds_mla's tile scales too), and its
+    value MMAs the codes themselves but for fp8_ds_mla, whose values it rounds to fp16 (up to ~2^-11
+    of each): it then matches the spec at the 16-bit tolerances, and the reference over values rounded
+    to q's dtype is not what it computes."""
+    return (arch is None and torch.cuda.get_device_capability() == (9, 0) and rows <= 24
+            and (schedule is None or schedule.tile_loads == "auto"))
+
+
 
 
 def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
@@ -333,6 +337,7 @@ def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
     cache or queries."""
     c = DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
+    rows = c["s_q"] * c["heads"]
     if plant is None:
         refs = decode_refs(kv_format, dtype, case, form)
     else:
@@ -347,7 +352,7 @@ def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
     seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device="cuda")
     runs = schedules(c["splits"], dev.width_positions, q.shape[0] * q.shape[1], c["heads"],
                      validate=min(cache.lens) >= c["s_q"])
-    if reads_exact_codes(kv_format, arch, c["s_q"] * c["heads"], None):  # the 64-row kernel as well
+    if narrow_kernel(arch, rows, None):  # the 64-row kernel as well
         runs.append((dataclasses.replace(runs[1][0], tile_loads="cp.async"), runs[1][1]))
     for schedule, validate in runs:
         out, lse = launch_decode(q, dev, seq_lens, arch, schedule, validate)
@@ -355,7 +360,7 @@ def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
         what = f"{kv_format} {dtype_name(dtype)} {case} {form}{split}"
         if schedule is not None and schedule.tile_loads != "auto":
             what += f" tile_loads={schedule.tile_loads}"
-        if reads_exact_codes(kv_format, arch, c["s_q"] * c["heads"], schedule):
+        if narrow_kernel(arch, rows, schedule):
             check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
         else:
             check_both(out.cpu(), lse.cpu(), refs, dtype, what)
@@ -407,10 +412,27 @@ SCALE_RISE_KEYS = 256  # the longest sequence's first four tiles of 64: one or t
 SCALE_RISE = 2.0 ** -12
 
 
+def scale_ds_rows(cache, positions, latent=1.0, rope=1.0):
+    """fp8_ds_mla: the longest sequence's rows at ``positions`` with tile scales times ``latent`` and
+    rope values times ``rope`` (powers of two: exact), the values decoded again from the bytes."""
+    b = max(range(len(cache.lens)), key=lambda i: cache.lens[i])
+    assert cache.lens[b] > max(positions), "the case's longest sequence is too short"
+    blocks = cache.bytes.clone()
+    for pos in positions:
+        row = blocks[int(cache.table[b, pos // cache.block_size]), pos % cache.block_size]
+        row[512:528] = (row[512:528].view(torch.float32) * latent).view(torch.uint8)
+        row[528:656] = (row[528:656].view(torch.bfloat16) * rope).view(torch.uint8)
+    values = decode_rows(blocks.reshape(-1, 656), "fp8_ds_mla").view(cache.values.shape)
+    return dataclasses.replace(cache, bytes=blocks, values=values)
+
+
 def plant_scale_rise(cache, q_full, form):
     """int8 / int4: the longest sequence's first SCALE_RISE_KEYS keys with scale and zero times
     SCALE_RISE (their values as much smaller), so that the scales' power of two rises 12 steps at
-    the fifth tile; the cache's values are decoded again from the changed bytes."""
+    the fifth tile (fp8_ds_mla: tile scales and rope alike); the cache's values are decoded again
+    from the changed bytes."""
+    if cache.kv_format == "fp8_ds_mla":
+        return scale_ds_rows(cache, range(SCALE_RISE_KEYS), SCALE_RISE, SCALE_RISE), q_full
     b = max(range(len(cache.lens)), key=lambda i: cache.lens[i])
     assert cache.lens[b] > SCALE_RISE_KEYS + 64, "the case's longest sequence is too short"
     bs, width = cache.block_size, 576 if cache.kv_format == "int8" else 288
@@ -455,13 +477,29 @@ def test_decode_quantized_score_jumps(kv_format, dtype, arch):
 
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "fp8_ds_mla"])
 def test_decode_quantized_scale_rise(kv_format, dtype, arch):
-    """Keys whose int scales rise 2^12-fold after the fourth tile: the narrow kernel's O, kept in units
-    of its scales' running power of two, must be rescaled when that power rises. The one-split case, so
-    that each of the three warpgroups (tiles t = k mod 3) meets the rise after a tile of its own; the
-    other cases' splits give a CTA at most 4 tiles."""
+    """Keys whose row scales (fp8_ds_mla: tile scales and rope) rise 2^12-fold after the fourth tile:
+    the narrow kernel's O, kept in units of its scales' running power of two, must be rescaled when
+    that power rises. The one-split case, so that each of the three warpgroups (tiles t = k mod 3; two
+    for fp8_ds_mla) meets the rise after a tile of its own; the other cases' splits give a CTA at most
+    4 tiles."""
     run_decode_case(kv_format, dtype, "sq1-h16-long", "paged", arch, plant=plant_scale_rise)
+
+
+ROPE_LED_KEYS = range(64, 320)  # tiles 1-4 of 64 of the longest sequence
+ROPE_LED_LATENT = 2.0 ** -16
+
+
+@GPU
+@pytest.mark.parametrize("case", ["sq1-h16-long", "sq1-h20-long"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_ds_mla_rope_sets_the_scale(dtype, case, arch):
+    """fp8_ds_mla keys whose tile scales are 2^16 times smaller while their rope is not: the narrow
+    kernel's fp16 products take a token's rope under a power of two of its own (under the latent's,
+    2^-19 here, a rope of ~3 would be ~1.5e6: past fp16)."""
+    run_decode_case("fp8_ds_mla", dtype, case, "paged", arch,
+                    plant=lambda cache, q_full, form: (scale_ds_rows(cache, ROPE_LED_KEYS, ROPE_LED_LATENT), q_full))
 
 
 @GPU
@@ -499,7 +537,7 @@ def test_decode_fp8_bf16_query_beyond_fp16(power, dtype, arch):
     mla_kv.decode(q, seq_lens=torch.tensor(cache.lens, dtype=torch.int32, device="cuda"),
                   softmax_scale=SOFTMAX_SCALE * 2.0 ** -power, out=out, lse=lse, arch=arch, **dev.kwargs)
     what = f"fp8 bfloat16 q x 2^{power}"
-    if reads_exact_codes("fp8", arch, DECODE_CASES[case]["heads"], None):
+    if narrow_kernel(arch, DECODE_CASES[case]["heads"], None):
         check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
     else:
         check_both(out.cpu(), lse.cpu(), refs, dtype, what)

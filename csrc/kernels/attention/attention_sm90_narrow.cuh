@@ -1,4 +1,4 @@
-// Hopper decode over a quantized cache (fp8, int8, int4) with the heads on wgmma's N.
+// Hopper decode over a quantized cache (fp8, fp8_ds_mla, int8, int4) with the heads on wgmma's N.
 //
 // The 64-row kernel of attention_sm90.cuh pads a decode step's 16-20 (token, head) rows to wgmma's M
 // of 64, so its tensor work is 3-4x what the rows need; with 16-bit tiles the cache's bytes still
@@ -11,7 +11,16 @@
 // exact in fp16, and the scales go where they cost nothing:
 //   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
 //   int8 / int4 (code c, row scale s_t, zero z_t): S = s_t (Q.C^T) + z_t sum(q), and
-//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel.
+//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel;
+//   fp8_ds_mla (tile scales s_t,k, bf16 rope r): S = sum_k s_t,k (Q.C_k^T) + 2^rho_t (Q.(r 2^-rho_t)^T),
+//         each 128-feature tile's codes (exact) and the rope (exact in fp16 under the token's rope
+//         power of two rho_t) in a score buffer of its own, folded in fp32; O = (P 2^sigma_t).V with
+//         V = fp16(code x fp16(s_t,k 2^-sigma_t)), sigma_t the token's power of two above its largest
+//         tile scale (the int formats' row scale with s_t = 2^sigma_t, exact, and no zero): the V
+//         product's A element (feature, token) must carry the tile scale, as the shared P^T cannot
+//         (a warp's output columns are one tile's). Those values are rounded twice to fp16, the
+//         factor's rounding shared by a (token, tile): a bias of at most 2^-12 in a token's share of
+//         O, finer than the 64-row kernel's rounding of every value to a bf16 q's dtype.
 // The products are fp16 for either q dtype and every format: an e4m3 pair is one cvt away from fp16
 // (three more from bf16), an int code pair one lop3 or prmt and one packed op (dequant.cuh; bf16 has
 // no exponent under which a byte is exact). A bf16 q row enters as fp16 times 2^-e_n, e_n its own
@@ -54,10 +63,12 @@ constexpr int kBlocks = kRowDim / 64;  // 64-feature blocks of a row: 8 latent, 
 // its tile as one dependent chain (convert, wgmma, softmax over two named barriers, convert, wgmma),
 // so the warps per scheduler set the pace (ncu at two: 0.43 instructions issued per scheduler and
 // cycle). At N = 16 a third warpgroup fits: (3 x 152 + 56) x 128 = 65,536 registers with the copy
-// warpgroup's 56; at N = 24 (96 accumulators) 152 would spill, so two at 224.
-template <int N>
+// warpgroup's 56; at N = 24 (96 accumulators) 152 would spill, so two at 224. fp8_ds_mla keeps two at
+// N = 16 too: its two more score buffers and per-token powers of two do not fit 152 (a first version
+// with neither buffer spilled 12-24 bytes there).
+template <KvFormat F, int N>
 struct Groups {
-  static constexpr int kGroups = N == 16 ? 3 : 2;
+  static constexpr int kGroups = N == 16 && F != KvFormat::kFp8DsMla ? 3 : 2;
   static constexpr int kMathThreads = 128 * kGroups;
   static constexpr int kThreads = kMathThreads + 128;  // and a copy warpgroup, of which one warp copies
   // The copy warpgroup hands its registers to the math warpgroups (setmaxnreg).
@@ -67,32 +78,39 @@ struct Groups {
   static constexpr int kEpilogueBarrier = 1 + kGroups;  // named barriers 1 .. kGroups: a warpgroup's own
 };
 
-constexpr bool supports(KvFormat f) { return f == KvFormat::kFp8 || f == KvFormat::kInt8 || f == KvFormat::kInt4; }
+constexpr bool supports(KvFormat f) { return f != KvFormat::kNone; }
 
 template <KvFormat F>
 struct Format {
-  static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
+  static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;  // (scale, zero) pairs
+  static constexpr bool kDs = F == KvFormat::kFp8DsMla;
+  // A per-token scale on the scores and on P (the top of the file): int8 / int4's s_t, fp8_ds_mla's 2^sigma_t.
+  static constexpr bool kRowScaled = kTrailer || kDs;
   static constexpr float kPShift = 7.f;  // P enters the products as P 2^7 (the top of the file)
-  static constexpr int kRowBytes = F == KvFormat::kInt4 ? kRowDim / 2 : kRowDim;  // a row's codes
-  static constexpr int kBlockBytes = kRowBytes / kBlocks;
+  // A row's bytes: codes (int8 / int4 / fp8), or fp8_ds_mla's codes, tile scales and bf16 rope.
+  static constexpr int kRowBytes = F == KvFormat::kInt4 ? kRowDim / 2 : kDs ? dequant::kDsRopeOffset + 2 * kRopeDim : kRowDim;
+  static constexpr int kBlockBytes = F == KvFormat::kInt4 ? 32 : 64;  // a 64-feature latent block's codes
   static constexpr int kThreadBytes = kBlockBytes / 4;  // a thread's 16 values of a block
   static constexpr int kStageBytes = kTokens * kRowBytes + (kTrailer ? kTokens * 4 : 0);
+  // fp8_ds_mla: the V pass's per-token tile factors, fp16 [tile][k step][c][4], two tiles' worth per warpgroup
+  static constexpr int kFactorHalves = kDs ? 2 * 4 * kTokens : 0;
 };
 
 template <KvFormat F, int N>
 struct Smem {
-  static constexpr int kGroups = Groups<N>::kGroups;
+  static constexpr int kGroups = Groups<F, N>::kGroups;
   static constexpr size_t kQ = 0;                                         // Q^T: 9 chunks of N rows
   static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T per warpgroup
   static constexpr size_t kRing = kP + size_t(kGroups) * N * arch::kSwizzleRowBytes;
   // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N],
-  // kv limit [N], the tile's largest int scale [kGroups][4], score scale [N]
-  static constexpr size_t kStatFloats =
-      size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N + 2 * N + size_t(kGroups) * 4 + N;
+  // kv limit [N], the tile's largest row scale [kGroups][4], score scale [N], fp8_ds_mla's factors
+  static constexpr size_t kStatFloats = size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
+                                        2 * N + size_t(kGroups) * 4 + N + size_t(kGroups) * Format<F>::kFactorHalves / 2;
   static constexpr size_t kFixedBytes = kRing + kStatFloats * sizeof(float) + 8 + arch::kSwizzleAtomBytes;
   // Tile buffers of the ring: as many as fit beside the rest, up to four per warpgroup; at two
   // warpgroups an even number, so that a stage's tiles are one warpgroup's (at three, the tile loop's
-  // barrier guard covers the rest). fp8 / int8: 5 at three warpgroups, 4 at two; int4: 10, 8.
+  // barrier guard covers the rest). fp8 / int8: 5 at three warpgroups, 4 at two; int4: 10, 8;
+  // fp8_ds_mla: 4.
   static constexpr int kFit = int(std::min<size_t>(4 * kGroups, (size_t(kSmemHopper.per_block) - kFixedBytes) /
                                                                    (Format<F>::kStageBytes + 2 * sizeof(uint64_t))));
   static constexpr int kStages = kGroups == 2 ? kFit / 2 * 2 : kFit;
@@ -134,7 +152,7 @@ __device__ __forceinline__ uint32_t raw_word(const Raw16<F>& r, int i) {
 // K pass: k step s of a row's 16 values (features 4 s .. 4 s + 3): lo = features 0, 1, hi = 2, 3.
 template <KvFormat F>
 __device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo, uint32_t& hi) {
-  if constexpr (F == KvFormat::kFp8) {
+  if constexpr (F == KvFormat::kFp8 || F == KvFormat::kFp8DsMla) {
     arch::e4m3x4_to_halves(raw_word<F>(raw, s), lo, hi);
   } else if constexpr (F == KvFormat::kInt8) {
     const uint32_t w = raw_word<F>(raw, s);
@@ -166,7 +184,7 @@ __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, in
     }
   } else {
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 2), raw_word<F>(b, i / 2), i % 2 == 0 ? 0x5140u : 0x7362u);
-    if constexpr (F == KvFormat::kFp8) {
+    if constexpr (F == KvFormat::kFp8 || F == KvFormat::kFp8DsMla) {
       arch::e4m3x4_to_halves(x, c0, c1);
     } else {
       c0 = dequant::byte_codes_to_halves(x, 0x4140u);
@@ -179,6 +197,23 @@ __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, in
 // subnormals get the least, -126).
 constexpr int kMinScaleExponent = -126;
 __device__ __forceinline__ int scale_exponent(float s) { return int(__float_as_uint(s) >> 23) + kMinScaleExponent; }
+
+// fp8_ds_mla: two fp16 values times two fp16 factors.
+__device__ __forceinline__ uint32_t times_halves(uint32_t x, uint32_t f) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&x), *reinterpret_cast<const __half2*>(&f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// fp8_ds_mla's rope: a bf16 pair times the power of two `down`, as fp16 (rounded once: the product is
+// exact in fp32).
+__device__ __forceinline__ uint32_t bf16_pair_to_halves(uint32_t w, float down) {
+  const __half2 r = __floats2half2_rn(__uint_as_float(w << 16) * down, __uint_as_float(w & 0xFFFF0000u) * down);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ float bf16_pair_amax(uint32_t w) {
+  return fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xFFFF0000u)));
+}
 
 template <KvFormat F>
 __device__ __forceinline__ Raw16<F> load_raw(const unsigned char* p) {
@@ -277,26 +312,29 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
 }
 
 template <class T, class Rows, KvFormat F, int N>
-__global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
+__global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<arch::Sm90>()) {
     using Fmt = Format<F>;
     using S = Smem<F, N>;
-    constexpr int kGroups = Groups<N>::kGroups, kMathThreads = Groups<N>::kMathThreads, kThreads = Groups<N>::kThreads;
-    constexpr int kStages = S::kStages, kEpilogueBarrier = Groups<N>::kEpilogueBarrier;
+    constexpr int kGroups = Groups<F, N>::kGroups, kMathThreads = Groups<F, N>::kMathThreads, kThreads = Groups<F, N>::kThreads;
+    constexpr int kStages = S::kStages, kEpilogueBarrier = Groups<F, N>::kEpilogueBarrier;
     // Three warpgroups' registers (152) hold half the A fragments per commit group (kBatch wgmmas) and
     // no V bytes loaded a k step ahead; the other warpgroups' work hides those latencies instead.
-    constexpr int kBatch = kGroups == 2 ? 4 : 2;
-    constexpr bool kLoadAhead = kGroups == 2;
+    // fp8_ds_mla's score buffers take those registers at two (N = 24 spilled 16-20 bytes with them).
+    constexpr int kBatch = kGroups == 2 && !Fmt::kDs ? 4 : 2;
+    constexpr bool kLoadAhead = kGroups == 2 && !Fmt::kDs;
     using M = __half;  // the products' type (the top of the file)
     using Mma = arch::WgmmaRegA<M, N>;
     constexpr bool kScaledQ = !std::is_same_v<M, T>;
     constexpr int kCols = N / 4;  // score columns of a thread
-    constexpr bool kInt = Fmt::kTrailer;
+    constexpr bool kZeros = Fmt::kTrailer, kRowScaled = Fmt::kRowScaled;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = arch::aligned_smem(smem_raw);
     unsigned char* q_s = smem + S::kQ;
     unsigned char* ring = smem + S::kRing;
-    float* colmax_s = reinterpret_cast<float*>(smem + S::kStats);  // [group][warp][N]
+    // fp8_ds_mla: [group][tile parity][kFactorHalves / 2] (the V pass's tile factors, written in the K pass)
+    __half* factor_s = reinterpret_cast<__half*>(smem + S::kStats);
+    float* colmax_s = reinterpret_cast<float*>(factor_s + kGroups * Fmt::kFactorHalves);  // [group][warp][N]
     float* qsum_s = colmax_s + kGroups * 4 * N;                    // [N]
     float* l_s = qsum_s + N;                                       // [group][warp][N]
     float* corr_s = l_s + kGroups * 4 * N;                         // [group][warp][N]
@@ -363,12 +401,12 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
     arch::fence_proxy_async();
     __syncthreads();  // Q^T and the mbarriers are ready
     if (warp >= kMathThreads / 32) {
-      arch::shrink_registers<Groups<N>::kCopyRegisters>();
+      arch::shrink_registers<Groups<F, N>::kCopyRegisters>();
       if (warp == kMathThreads / 32) copy_tiles<F, kStages>(rows, w, ring, full, empty, lane);
       return;
     }
-    arch::grow_registers<Groups<N>::kMathRegisters>();
-    if constexpr (kInt) {  // the row sums of q as it enters the products
+    arch::grow_registers<Groups<F, N>::kMathRegisters>();
+    if constexpr (kZeros) {  // the row sums of q as it enters the products
       for (int n = warp; n < N; n += kMathThreads / 32) {
         float sum = 0.f;
 #pragma unroll
@@ -408,8 +446,8 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
     float m_run[kCols], l_run[kCols], corr_run[kCols];
 #pragma unroll
     for (int q = 0; q < kCols; ++q) m_run[q] = -INFINITY, l_run[q] = 0.f, corr_run[q] = 0.f;
-    // int formats: O accumulates in units of 2^sigma_run, the warpgroup's running power of two above
-    // every scale of its tiles so far (the top of the file); it moves up only.
+    // int formats and fp8_ds_mla: O accumulates in units of 2^sigma_run, the warpgroup's running power
+    // of two above every row scale of its tiles so far (the top of the file); it moves up only.
     int sigma_run = kMinScaleExponent;
 
     for (int t = group; t < tiles; t += kGroups) {
@@ -426,7 +464,7 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
       }
       arch::mbarrier_wait(&full[stage], (t / kStages) & 1);
       float row_scale[2] = {1.f, 1.f}, row_zero[2] = {0.f, 0.f};
-      if constexpr (kInt) {
+      if constexpr (kZeros) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float2 sz = dequant::scale_zero<T>(reinterpret_cast<const uint32_t*>(st + kTokens * Fmt::kRowBytes)[r0 + 8 * h]);
@@ -434,11 +472,53 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
           row_zero[h] = sz.y;
         }
       }
+      // fp8_ds_mla: the rows' sigma_t and rho_t (the top of the file; rho_t needs the 64 rope values of
+      // a row, 16 in each thread of its quad); tile c's factor fp16(s_t,c 2^-sigma_t) of each row to the
+      // V pass's slot of that token (each thread reads 16 tokens there), in this tile's half of the
+      // warpgroup's factors (its tile before wrote the other).
+      float rope_down[2] = {1.f, 1.f};  // 2^-rho_t
+      __half* factors = factor_s + (group * 2 + (t / kGroups) % 2) * (Fmt::kFactorHalves / 2);
+      if constexpr (Fmt::kDs) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r0 + 8 * h;
+          const unsigned char* at = st + row * Fmt::kRowBytes;
+          const float4 s4 = *reinterpret_cast<const float4*>(at + dequant::kDsScalesOffset);
+          float amax = 0.f;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const uint4 r = *reinterpret_cast<const uint4*>(at + rope_byte + 32 * c + 16 * i);
+            amax = fmaxf(fmaxf(amax, fmaxf(bf16_pair_amax(r.x), bf16_pair_amax(r.y))),
+                         fmaxf(bf16_pair_amax(r.z), bf16_pair_amax(r.w)));
+          }
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+          // |r| < 2^e puts r 2^-rho below 2^15 for rho = e - 15, exact down to 2^-24 of 2^rho (no lower
+          // than fp32's least normal power, so that 2^-rho stays finite); s_t,k 2^-sigma < 1.
+          const int sigma = scale_exponent(fmaxf(fmaxf(s4.x, s4.y), fmaxf(s4.z, s4.w)));
+          row_scale[h] = ldexpf(1.f, sigma);
+          rope_down[h] = ldexpf(1.f, -max(scale_exponent(amax) - 15, kMinScaleExponent));
+          // [tile][k step][c][slot]: token 16 s + c + {0, 8, 4, 12}[slot] (the V pass's order)
+          const int rem = row % 16, slot = ((rem / 4) & 1) * 2 + rem / 8;
+          const float mine = c == 0 ? s4.x : c == 1 ? s4.y : c == 2 ? s4.z : s4.w;
+          factors[((c * 4 + row / 16) * 4 + rem % 4) * 4 + slot] = __float2half_rn(mine * ldexpf(1.f, -sigma));
+        }
+      }
       // S^T = K . Q^T, a 64-feature block per 4 / kBatch batches of kBatch wgmmas; the next batch converts
       // under each.
       float sc[N / 2];
 #pragma unroll
       for (int k = 0; k < N / 2; ++k) sc[k] = 0.f;
+      // fp8_ds_mla: the score buffers of alternate tiles (the rope's is tile 4's), each folded into sc
+      // once its wgmmas are done (the wait of its next tile's second batch), by its rows' tile scales.
+      float tile_sc[Fmt::kDs ? 2 : 1][N / 2];
+      auto fold = [&](const float (&buf)[N / 2], float f0, float f1) {
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) sc[k] += ((k / 2) % 2 == 0 ? f0 : f1) * buf[k];  // rows r0, r0 + 8
+      };
+      auto row_scales = [&](int h) {
+        return reinterpret_cast<const float*>(st + (r0 + 8 * h) * Fmt::kRowBytes + dequant::kDsScalesOffset);
+      };
       Raw16<F> v_next[4];  // kLoadAhead: the V pass's next k step (the first loaded under the softmax)
       {
         auto k_raw = [&](int j, int row) {
@@ -450,34 +530,59 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         Raw16<F> n0 = k_raw(0, r0), n1 = k_raw(0, r0 + 8), x0, x1;
         // One flat loop over the batches (block j, part h): nested, nvcc left the block loop rolled at N = 24.
         constexpr int kParts = 4 / kBatch;
+        static_assert(!Fmt::kDs || kParts == 2, "fp8_ds_mla folds a tile at its next tile's second batch");
 #pragma unroll
         for (int batch = 0; batch < kBlocks * kParts; ++batch) {
           const int j = batch / kParts, h = batch % kParts;
           if (h == 0) {
             x0 = n0, x1 = n1;
             if (j + 1 < kBlocks) {
-              n0 = k_raw(j + 1, r0);
-              n1 = k_raw(j + 1, r0 + 8);
+              if (!Fmt::kDs || j + 1 < kBlocks - 1) {  // fp8_ds_mla's rope: read at its batch
+                n0 = k_raw(j + 1, r0);
+                n1 = k_raw(j + 1, r0 + 8);
+              }
             } else if constexpr (kLoadAhead) {
 #pragma unroll
               for (int k = 0; k < 4; ++k) v_next[k] = v_raw(st, 0, k);
             }
           }
           if (batch >= 2) arch::wgmma_wait<1>();  // batch - 2's wgmmas have read a[batch % 2]
+          if constexpr (Fmt::kDs) {  // batch - 2 was tile (batch - 5) / 4's last
+            if (batch % 4 == 1 && batch >= 5) {
+              const int tile = (batch - 5) / 4;
+              arch::pin_registers(tile_sc[tile % 2]);
+              fold(tile_sc[tile % 2], row_scales(0)[tile], row_scales(1)[tile]);
+            }
+          }
 #pragma unroll
           for (int i = 0; i < kBatch; ++i) {
-            k_pairs<F>(x0, kBatch * h + i, a[batch % 2][i][0], a[batch % 2][i][2]);
-            k_pairs<F>(x1, kBatch * h + i, a[batch % 2][i][1], a[batch % 2][i][3]);
+            uint32_t* f = a[batch % 2][i];
+            if (Fmt::kDs && j == kBlocks - 1) {  // the thread's rope pair of step s: 8 bytes of each row
+              const int s = kBatch * h + i;
+              const uint2 w0 = *reinterpret_cast<const uint2*>(st + r0 * Fmt::kRowBytes + rope_byte + 32 * c + 8 * s);
+              const uint2 w1 = *reinterpret_cast<const uint2*>(st + (r0 + 8) * Fmt::kRowBytes + rope_byte + 32 * c + 8 * s);
+              f[0] = bf16_pair_to_halves(w0.x, rope_down[0]), f[2] = bf16_pair_to_halves(w0.y, rope_down[0]);
+              f[1] = bf16_pair_to_halves(w1.x, rope_down[1]), f[3] = bf16_pair_to_halves(w1.y, rope_down[1]);
+              continue;
+            }
+            k_pairs<F>(x0, kBatch * h + i, f[0], f[2]);
+            k_pairs<F>(x1, kBatch * h + i, f[1], f[3]);
           }
           arch::wgmma_fence();
 #pragma unroll
           for (int i = 0; i < kBatch; ++i) {
             const int s = kBatch * h + i;
-            Mma::mma(sc, a[batch % 2][i], arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32), j + s > 0);
+            const uint64_t desc = arch::desc_advance(q_desc, j * N * arch::kSwizzleRowBytes + s * 32);
+            if constexpr (Fmt::kDs) Mma::mma(tile_sc[(j / 2) % 2], a[batch % 2][i], desc, j % 2 + s > 0);
+            else Mma::mma(sc, a[batch % 2][i], desc, j + s > 0);
           }
           arch::wgmma_commit();
         }
         arch::wgmma_wait<0>();
+        if constexpr (Fmt::kDs) {
+          arch::pin_registers(tile_sc[0]);
+          fold(tile_sc[0], 1.f / rope_down[0], 1.f / rope_down[1]);  // the rope's (tile 4's), by 2^rho_t
+        }
         arch::pin_registers(sc);
       }
       // Online softmax over the tile's tokens, column by column (a column is a (token, head) row).
@@ -487,12 +592,12 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         const int col = col_of(q);
         const int limit = limit_s[col];
         const float score_scale = score_scale_s[col];
-        const float qsum = kInt ? qsum_s[col] : 0.f;
+        const float qsum = kZeros ? qsum_s[col] : 0.f;
         tile_max[q] = -INFINITY;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
-          if constexpr (kInt) x = row_scale[h] * x + row_zero[h] * qsum;
+          if constexpr (kZeros) x = row_scale[h] * x + row_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
           x = first + r0 + 8 * h < limit ? x * score_scale : -INFINITY;
           tile_max[q] = fmaxf(tile_max[q], x);
         }
@@ -500,16 +605,16 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         for (int o = 4; o < 32; o <<= 1) tile_max[q] = fmaxf(tile_max[q], __shfl_xor_sync(0xffffffffu, tile_max[q], o));
         if (g == 0) colmax_s[(group * 4 + wq) * N + col] = tile_max[q];
       }
-      if constexpr (kInt) {
+      if constexpr (kRowScaled) {
         float smax = fmaxf(fabsf(row_scale[0]), fabsf(row_scale[1]));
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
         if (lane == 0) smax_s[group * 4 + wq] = smax;
       }
       arch::named_barrier_sync(1 + group, 128);
-      // int formats: P s_t 2^-sigma_run enters the products, below 2^15 (P 2^7 <= 2^15, s_t < 2^sigma_run).
+      // Row-scaled formats: P s_t 2^-sigma_run enters the products, below 2^15 (P 2^7 <= 2^15, s_t < 2^sigma_run).
       float grow = 1.f, p_scale[2] = {1.f, 1.f};
-      if constexpr (kInt) {
+      if constexpr (kRowScaled) {
         const float smax = fmaxf(fmaxf(smax_s[group * 4], smax_s[group * 4 + 1]), fmaxf(smax_s[group * 4 + 2], smax_s[group * 4 + 3]));
         const int sigma = scale_exponent(smax);
         if (sigma > sigma_run) {
@@ -531,7 +636,7 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         alpha[q] = rescale_factor<true>(m_run[q], m);
         m_run[q] = m;
         l_run[q] *= alpha[q];
-        corr_run[q] *= alpha[q];
+        if constexpr (kZeros) corr_run[q] *= alpha[q];  // (else 0, and no registers held for it)
         float pr[2];
         uint32_t pair;
         {
@@ -541,8 +646,8 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
             const float x = sc[4 * (q / 2) + 2 * h + (q % 2)];
             pr[h] = m == -INFINITY ? 0.f : arch::exp2_ftz(x - m + Fmt::kPShift);
             l_run[q] += pr[h];
-            pv.v[h] = arch::from_float<M>(kInt ? pr[h] * p_scale[h] : pr[h]);
-            if constexpr (kInt) corr_run[q] += pr[h] * row_zero[h];
+            pv.v[h] = arch::from_float<M>(kRowScaled ? pr[h] * p_scale[h] : pr[h]);
+            if constexpr (kZeros) corr_run[q] += pr[h] * row_zero[h];
           }
           pair = *reinterpret_cast<const uint32_t*>(&pv);
         }
@@ -568,6 +673,9 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         uint32_t a[2][kBatch][4];
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
+          // fp8_ds_mla: the tile factors (tile wq, the warp's 128 columns) of the step's tokens 0, 1 / 2, 3
+          uint2 fv = make_uint2(0u, 0u);
+          if constexpr (Fmt::kDs) fv = *reinterpret_cast<const uint2*>(factors + ((wq * 4 + s) * 4 + c) * 4);
           Raw16<F> x[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
@@ -587,8 +695,13 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
             if (batch >= 2) arch::wgmma_wait<1>();
 #pragma unroll
             for (int ii = 0; ii < kBatch; ++ii) {
-              v_pairs<F>(x[0], x[1], kBatch * part + ii, a[batch % 2][ii][0], a[batch % 2][ii][1]);
-              v_pairs<F>(x[2], x[3], kBatch * part + ii, a[batch % 2][ii][2], a[batch % 2][ii][3]);
+              uint32_t* f = a[batch % 2][ii];
+              v_pairs<F>(x[0], x[1], kBatch * part + ii, f[0], f[1]);
+              v_pairs<F>(x[2], x[3], kBatch * part + ii, f[2], f[3]);
+              if constexpr (Fmt::kDs) {
+                f[0] = times_halves(f[0], fv.x), f[1] = times_halves(f[1], fv.x);
+                f[2] = times_halves(f[2], fv.y), f[3] = times_halves(f[3], fv.y);
+              }
             }
             arch::wgmma_fence();
 #pragma unroll
@@ -606,7 +719,7 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
     // Epilogue: the warpgroups' states meet in shared memory; warpgroup 0 writes the rows.
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
-      float l = l_run[q], cr = corr_run[q];
+      float l = l_run[q], cr = kZeros ? corr_run[q] : 0.f;
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
         l += __shfl_xor_sync(0xffffffffu, l, o);
@@ -645,7 +758,7 @@ __global__ void __launch_bounds__(Groups<N>::kThreads, 1) attention_narrow_kerne
         }
         total_l[q] += l * fk;
         total_corr[q] += cr * fk;
-        if (k == group) factor[q] = fk * (kInt ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
+        if (k == group) factor[q] = fk * (kRowScaled ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
       }
       merged_max[q] = m;
     }
@@ -735,7 +848,7 @@ Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
   const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
-  kernel<<<dim3(grid_x, p.num_splits), Groups<N>::kThreads, kBytes, stream>>>(p, rows);
+  kernel<<<dim3(grid_x, p.num_splits), Groups<F, N>::kThreads, kBytes, stream>>>(p, rows);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
