@@ -32,6 +32,7 @@ OPTIONS = {
     "expanded": ["--quick", "--json", "--plot"],
     "cp": ["--quick", "--json", "--gpus", "--part"],
     "profile_decode": ["--times", "--kv-format"],
+    "tile_copy": ["--quick", "--json"],
 }
 
 

@@ -14,6 +14,7 @@
 #include "mla_kv/merge.h"
 #include "mla_kv/write.h"
 #include "../bench/mma_throughput.h"
+#include "../bench/tile_copy.h"
 
 namespace py = pybind11;
 using namespace mla_kv;
@@ -263,6 +264,16 @@ PYBIND11_MODULE(_C, m) {
     const double flops = invokeMmaThroughput(arch, dtype, blocks, iterations, as_stream(stream));
     if (flops < 0) throw std::runtime_error("mla_kv.mma_throughput: unsupported arch/dtype or launch failure");
     return flops;
+  });
+
+  m.def("tile_copy_throughput", [](int method, uintptr_t src, uintptr_t table, long long block_bytes, int tile_bytes,
+                                   int ctas, int tiles, int stages, int pieces, uintptr_t sink, uintptr_t stream) {
+    const double bytes = invokeTileCopyThroughput(static_cast<TileCopy>(method), reinterpret_cast<const void*>(src),
+                                                  reinterpret_cast<const int*>(table), block_bytes, tile_bytes, ctas,
+                                                  tiles, stages, pieces, reinterpret_cast<unsigned*>(sink),
+                                                  as_stream(stream));
+    if (bytes < 0) throw std::runtime_error("mla_kv.tile_copy_throughput: bad arguments, no sm_90 GPU or launch failure");
+    return bytes;
   });
 
   py::class_<GatherKvParams>(m, "GatherKvParams")

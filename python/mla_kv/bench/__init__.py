@@ -26,6 +26,7 @@ OPS = {
     "expanded": "prefill attention kernels of both routes (absorbed, own expanded, torch) vs their ceilings",
     "cp": "context parallel decode/prefill over NCCL (2+ GPUs)",
     "profile_decode": "decode launches for ncu / torch.profiler (not in the full run)",
+    "tile_copy": "the decode kernels' copy path alone: tiles into a shared-memory ring, by copy mechanism (sm_90; not in the full run)",
 }
 # What ``mla-kv bench`` without an op runs, in this order.
 ALL = ("write", "decode", "gather", "prefill", "expanded", "cp")
