@@ -204,15 +204,22 @@ __device__ __forceinline__ uint32_t times_halves(uint32_t x, uint32_t f) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// A bf16 pair's two values (low half first).
+__device__ __forceinline__ float2 bf16_pair(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+}
+
 // fp8_ds_mla's rope: a bf16 pair times the power of two `down`, as fp16 (rounded once: the product is
 // exact in fp32).
 __device__ __forceinline__ uint32_t bf16_pair_to_halves(uint32_t w, float down) {
-  const __half2 r = __floats2half2_rn(__uint_as_float(w << 16) * down, __uint_as_float(w & 0xFFFF0000u) * down);
+  const float2 v = bf16_pair(w);
+  const __half2 r = __floats2half2_rn(v.x * down, v.y * down);
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
 __device__ __forceinline__ float bf16_pair_amax(uint32_t w) {
-  return fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xFFFF0000u)));
+  const float2 v = bf16_pair(w);
+  return fmaxf(fabsf(v.x), fabsf(v.y));
 }
 
 template <KvFormat F>
@@ -530,7 +537,10 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         Raw16<F> n0 = k_raw(0, r0), n1 = k_raw(0, r0 + 8), x0, x1;
         // One flat loop over the batches (block j, part h): nested, nvcc left the block loop rolled at N = 24.
         constexpr int kParts = 4 / kBatch;
-        static_assert(!Fmt::kDs || kParts == 2, "fp8_ds_mla folds a tile at its next tile's second batch");
+        // fp8_ds_mla: a 128-feature tile is two blocks' batches; it is folded at its next tile's second
+        // batch, whose wait is the first to cover the tile's last batch (tile 3's: the rope block's second).
+        constexpr int kTileBatches = 2 * kParts;
+        static_assert(!Fmt::kDs || kParts >= 2, "tile 3 is folded at the rope block's second batch");
 #pragma unroll
         for (int batch = 0; batch < kBlocks * kParts; ++batch) {
           const int j = batch / kParts, h = batch % kParts;
@@ -547,9 +557,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
             }
           }
           if (batch >= 2) arch::wgmma_wait<1>();  // batch - 2's wgmmas have read a[batch % 2]
-          if constexpr (Fmt::kDs) {  // batch - 2 was tile (batch - 5) / 4's last
-            if (batch % 4 == 1 && batch >= 5) {
-              const int tile = (batch - 5) / 4;
+          if constexpr (Fmt::kDs) {
+            if (batch % kTileBatches == 1 && batch > kTileBatches) {
+              const int tile = batch / kTileBatches - 1;
               arch::pin_registers(tile_sc[tile % 2]);
               fold(tile_sc[tile % 2], row_scales(0)[tile], row_scales(1)[tile]);
             }
