@@ -330,8 +330,6 @@ def narrow_kernel(arch, rows, schedule):
             and (schedule is None or schedule.tile_loads == "auto"))
 
 
-
-
 def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
     """The case's decode on every schedule; plant(cache, q_full, form) -> (cache, q_full) replaces its
     cache or queries."""

@@ -25,7 +25,12 @@ from mla_kv.bench import common
 
 METHODS = {"bulk": 0, "pieces": 1, "bulk-4-warps": 2, "cp.async": 3}
 TILES = {"int4": 64 * 288, "fp8": 64 * 576, "bf16": 64 * 1152}
-SMEM = 232448 - 1024 - 8 * 256  # Hopper's per-CTA limit less the alignment slack and barriers
+ALIGN_SLACK = 1024  # the ring's alignment to a swizzle atom (tile_copy.cu reserves it as well)
+
+
+def ring_bytes(tile_bytes, stages):
+    """The probe's dynamic shared memory: the ring, a full and an empty mbarrier per stage, the slack."""
+    return stages * tile_bytes + 16 * stages + ALIGN_SLACK
 
 
 def run_case(c, method, tile_bytes, stages, pieces, tiles, sms, pool, sink):
@@ -55,13 +60,14 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     from mla_kv import _C as c
     copy = common.copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_block = c.device_smem_limits().per_block
     pool = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     rows = []
     tile_counts = (32,) if args.quick else (32, 256)
     for name, tile_bytes in TILES.items():
         for stages in (2, 4, 8, 12):
-            if stages * tile_bytes > SMEM:
+            if ring_bytes(tile_bytes, stages) > per_block:
                 continue
             for method in METHODS:
                 if method == "bulk-4-warps" and stages % 4:
