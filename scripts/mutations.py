@@ -345,7 +345,8 @@ MUTATIONS = (
              "if constexpr (kZeros) x = row_scale[h] * x;", T_QUANT_ATTENTION,
              "narrow kernel, int8 / int4: scores miss the zero point's z sum(q)", focus="int"),
     Mutation("narrow-zero-output-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
-             "if constexpr (kZeros) corr_run[q] += pr[h] * row_zero[h];", "if constexpr (kZeros) corr_run[q] += 0.f;",
+             "if constexpr (kZeros) corr_add[q] = pr[0] * row_zero[0] + pr[1] * row_zero[1];",
+             "if constexpr (kZeros) corr_add[q] = 0.f;",
              T_QUANT_ATTENTION, "narrow kernel, int8 / int4: the output misses sum_t P z_t", focus="int"),
     Mutation("narrow-p-shift-in-lse", "attention", ("Sm90",), ("quantized", "lse"), NARROW_CUH,
              "(merged_max[q] - Fmt::kPShift + log2f(l)) * kLn2", "(merged_max[q] + log2f(l)) * kLn2",
@@ -362,6 +363,10 @@ MUTATIONS = (
              "grow = ldexpf(1.f, sigma_run - sigma);", "grow = 1.f;", T_QUANT_ATTENTION,
              "narrow kernel, int8 / int4: O is not rescaled when a tile's scales raise the power of two "
              "P s_t enters the products under", focus="scale_rise"),
+    Mutation("narrow-vote-first-warp", "attention", ("Sm90",), ("quantized", "rescale"), NARROW_CUH,
+             "if (vote.x | vote.y | vote.z | vote.w) {", "if (vote.x) {", T_QUANT_ATTENTION,
+             "narrow kernel: only warp 0's tokens can move the running max (a later tile's jump in another "
+             "warp's tokens overflows P)", focus="jumps"),
     Mutation("narrow-merge-one-warpgroup", "attention", ("Sm90",), ("quantized", "softmax"), NARROW_CUH,
              "total_l[q] += l * fk;", "total_l[q] += k == 0 ? l * fk : 0.f;", T_QUANT_ATTENTION,
              "narrow kernel: rows normalized by warpgroup 0's sum alone (wrong past 64 keys)"),

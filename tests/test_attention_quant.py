@@ -367,10 +367,12 @@ def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
 
 
 # ------------------------------------------------------------------------------------- GPU
-# Heads 0-3 of the longest sequence point at the key at these positions: a sink (the first key), then
-# keys in tiles 2, 3 and 9 of 64, so that each of the Hopper kernels' two warpgroups (alternate tiles)
-# meets a running max that moves far past 2^8 after its first tile; the key's score JUMP_SCORE nats.
-JUMP_POSITIONS = (0, 130, 200, 600)
+# Heads 0-4 of the longest sequence point at the key at these positions (those inside it): a sink (the
+# first key), then keys in tiles 2, 4, 9 and 15 of 64, so that each Hopper warpgroup (tiles t mod 2, or
+# mod 3 for the narrow kernel's three) meets a running max that moves far past 2^8 after its first tile,
+# at tokens 40, 24, 56 and 4 of their tiles: each of a warpgroup's four warps holds one (the narrow
+# kernel's warps vote whether the max moves); the key's score JUMP_SCORE nats.
+JUMP_POSITIONS = (0, 168, 280, 632, 964)
 JUMP_SCORE = 40.0
 JUMP_MARGIN = 12.0  # nats the planted score must clear every other key of its row by
 
@@ -381,12 +383,13 @@ def plant_score_jumps(cache, q_full, form):
     along that key less the keys' mean, made orthogonal to the other keys it scores highest (the
     edge rows of build_cache and the int formats' coarse codes share much of every key's direction)."""
     b = max(range(len(cache.lens)), key=lambda i: cache.lens[i])
-    assert cache.lens[b] > max(JUMP_POSITIONS), "the case's longest sequence is too short for the planted keys"
+    positions = [p for p in JUMP_POSITIONS if p < cache.lens[b]]
+    assert len(positions) >= 4, "the case's longest sequence is too short for the planted keys"
     values = form_values(cache, form).reshape(-1, 576)
     keys = torch.stack([values[int(cache.table[b, p // cache.block_size]) * cache.block_size + p % cache.block_size]
                         for p in range(cache.lens[b])])
     q_full = q_full.clone()
-    for h, pos in enumerate(JUMP_POSITIONS):
+    for h, pos in enumerate(positions):
         along, basis = keys[pos] - keys.mean(0), []
         for _ in range(32):
             q = (along * (JUMP_SCORE / (SOFTMAX_SCALE * along.dot(keys[pos])))).to(q_full.dtype)
@@ -467,10 +470,12 @@ def test_decode_quantized_block_size_16(kv_format, dtype, arch):
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_decode_quantized_score_jumps(kv_format, dtype, arch):
+@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq1-h16-long"])
+def test_decode_quantized_score_jumps(kv_format, dtype, case, arch):
     """Heads whose running max moves by ~40 nats in a late tile (and a sink): O, the row sum and the
-    int formats' zero-point term must all be rescaled (random scores never move the max that far)."""
-    run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_score_jumps)
+    int formats' zero-point term must all be rescaled (random scores never move the max that far).
+    The long case's one split gives each warpgroup its jumps after tiles of its own."""
+    run_decode_case(kv_format, dtype, case, "paged", arch, plant=plant_score_jumps)
 
 
 @GPU

@@ -60,7 +60,7 @@ constexpr int kTokens = 64;   // cache rows per tile (wgmma's M)
 constexpr int kBlocks = kRowDim / 64;  // 64-feature blocks of a row: 8 latent, 1 rope
 
 // Math warpgroups take alternate tiles, each its own online softmax, merged at the end. Each runs
-// its tile as one dependent chain (convert, wgmma, softmax over two named barriers, convert, wgmma),
+// its tile as one dependent chain (convert, wgmma, softmax over a named barrier, convert, wgmma),
 // so the warps per scheduler set the pace (ncu at two: 0.43 instructions issued per scheduler and
 // cycle). At N = 16 a third warpgroup fits: (3 x 152 + 56) x 128 = 65,536 registers with the copy
 // warpgroup's 56; at N = 24 (96 accumulators) 152 would spill, so two at 224. fp8_ds_mla keeps two at
@@ -100,12 +100,14 @@ template <KvFormat F, int N>
 struct Smem {
   static constexpr int kGroups = Groups<F, N>::kGroups;
   static constexpr size_t kQ = 0;                                         // Q^T: 9 chunks of N rows
-  static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T per warpgroup
-  static constexpr size_t kRing = kP + size_t(kGroups) * N * arch::kSwizzleRowBytes;
-  // colmax [kGroups][4][N], qsum [N], l / corr [kGroups][4][N] each, m [kGroups][N], q exponent [N],
-  // kv limit [N], the tile's largest row scale [kGroups][4], score scale [N], fp8_ds_mla's factors
-  static constexpr size_t kStatFloats = size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
-                                        2 * N + size_t(kGroups) * 4 + N + size_t(kGroups) * Format<F>::kFactorHalves / 2;
+  static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T, two per warpgroup
+  static constexpr size_t kRing = kP + size_t(kGroups) * 2 * N * arch::kSwizzleRowBytes;  // (two per warpgroup)
+  // the softmax's votes [kGroups][2][4], fp8_ds_mla's factors, colmax [kGroups][4][N], qsum [N], l / corr
+  // [kGroups][4][N] each, m [kGroups][N], q exponent [N], kv limit [N], the tile's largest row scale
+  // [kGroups][4], score scale [N]
+  static constexpr size_t kStatFloats = size_t(kGroups) * 8 + size_t(kGroups) * Format<F>::kFactorHalves / 2 +
+                                        size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
+                                        2 * N + size_t(kGroups) * 4 + N;
   static constexpr size_t kFixedBytes = kRing + kStatFloats * sizeof(float) + 8 + arch::kSwizzleAtomBytes;
   // Tile buffers of the ring: as many as fit beside the rest, up to four per warpgroup; at two
   // warpgroups an even number, so that a stage's tiles are one warpgroup's (at three, the tile loop's
@@ -339,8 +341,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     unsigned char* smem = arch::aligned_smem(smem_raw);
     unsigned char* q_s = smem + S::kQ;
     unsigned char* ring = smem + S::kRing;
+    int* vote_s = reinterpret_cast<int*>(smem + S::kStats);  // [group][tile parity][warp]: the softmax's votes
     // fp8_ds_mla: [group][tile parity][kFactorHalves / 2] (the V pass's tile factors, written in the K pass)
-    __half* factor_s = reinterpret_cast<__half*>(smem + S::kStats);
+    __half* factor_s = reinterpret_cast<__half*>(vote_s + kGroups * 8);
     float* colmax_s = reinterpret_cast<float*>(factor_s + kGroups * Fmt::kFactorHalves);  // [group][warp][N]
     float* qsum_s = colmax_s + kGroups * 4 * N;                    // [N]
     float* l_s = qsum_s + N;                                       // [group][warp][N]
@@ -435,9 +438,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     const int u = 8 * wq + g;    // its output columns 16 u .. 16 u + 15
     const int latent_byte = dequant::vector_byte(F, stored_column(layout, 0));
     const int rope_byte = dequant::vector_byte(F, stored_column(layout, kLatentDim));
-    unsigned char* p_s = smem + S::kP + group * N * arch::kSwizzleRowBytes;
+    unsigned char* p_base = smem + S::kP + group * 2 * N * arch::kSwizzleRowBytes;  // [tile parity][N] rows
     const uint64_t q_desc = arch::swizzled_desc(q_s, 16, arch::kSwizzleAtomBytes);
-    const uint64_t p_desc = arch::swizzled_desc(p_s, 16, arch::kSwizzleAtomBytes);
+    const uint64_t p_desc = arch::swizzled_desc(p_base, 16, arch::kSwizzleAtomBytes);
     auto col_of = [&](int q) { return 8 * (q / 2) + 2 * c + (q % 2); };
     // The V pass's bytes of k step s: the thread's 16 columns of token 16 s + c + {0, 8, 4, 12}[k].
     auto v_raw = [&](const unsigned char* st, int s, int k) {
@@ -456,6 +459,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     // int formats and fp8_ds_mla: O accumulates in units of 2^sigma_run, the warpgroup's running power
     // of two above every row scale of its tiles so far (the top of the file); it moves up only.
     int sigma_run = kMinScaleExponent;
+    float scale_down = ldexpf(1.f, -sigma_run);  // 2^-sigma_run
 
     for (int t = group; t < tiles; t += kGroups) {
       const int stage = t % kStages, first = w.kv_lo + t * kTokens;
@@ -596,86 +600,116 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         arch::pin_registers(sc);
       }
       // Online softmax over the tile's tokens, column by column (a column is a (token, head) row).
-      float tile_max[kCols];
+      // A column's running max moves only when a tile beats it by kRescaleLog2 (raised_max), and the
+      // warpgroup's row-scale power only when a scale exceeds it, so most tiles move neither: P is
+      // written under the running ones at once and the warps vote (one barrier). Only a tile where
+      // some warp saw a value that moves them (every warpgroup's first) takes the column maxima across
+      // the warps and writes P again (two barriers more); its P and O are those of that exchange.
+      // P^T and the votes alternate between two buffers: the next tile writes them before any barrier,
+      // while other warps may still read this tile's.
+      const int parity = (t / kGroups) % 2;
+      unsigned char* p_s = p_base + parity * N * arch::kSwizzleRowBytes;
+      int* votes = vote_s + (group * 2 + parity) * 4;
+      bool moves = false;
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(q);
         const int limit = limit_s[col];
         const float score_scale = score_scale_s[col];
         const float qsum = kZeros ? qsum_s[col] : 0.f;
-        tile_max[q] = -INFINITY;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
           if constexpr (kZeros) x = row_scale[h] * x + row_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
           x = first + r0 + 8 * h < limit ? x * score_scale : -INFINITY;
-          tile_max[q] = fmaxf(tile_max[q], x);
+          moves |= raised_max(m_run[q], x) != m_run[q];
         }
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) tile_max[q] = fmaxf(tile_max[q], __shfl_xor_sync(0xffffffffu, tile_max[q], o));
-        if (g == 0) colmax_s[(group * 4 + wq) * N + col] = tile_max[q];
       }
-      if constexpr (kRowScaled) {
-        float smax = fmaxf(fabsf(row_scale[0]), fabsf(row_scale[1]));
+      if constexpr (kRowScaled) moves |= scale_exponent(fmaxf(fabsf(row_scale[0]), fabsf(row_scale[1]))) > sigma_run;
+      // P^T [col][token slot] under the running max and power: the thread's tokens r0, r0 + 8 are slots
+      // 16 wq + 2 g, + 1. Row-scaled formats: P s_t 2^-sigma_run enters the products, below 2^15
+      // (P 2^7 <= 2^15, s_t < 2^sigma_run).
+      float l_add[kCols], corr_add[kCols];
+      auto write_p = [&]() {
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
-        if (lane == 0) smax_s[group * 4 + wq] = smax;
-      }
-      arch::named_barrier_sync(1 + group, 128);
-      // Row-scaled formats: P s_t 2^-sigma_run enters the products, below 2^15 (P 2^7 <= 2^15, s_t < 2^sigma_run).
-      float grow = 1.f, p_scale[2] = {1.f, 1.f};
-      if constexpr (kRowScaled) {
-        const float smax = fmaxf(fmaxf(smax_s[group * 4], smax_s[group * 4 + 1]), fmaxf(smax_s[group * 4 + 2], smax_s[group * 4 + 3]));
-        const int sigma = scale_exponent(smax);
-        if (sigma > sigma_run) {
-          grow = ldexpf(1.f, sigma_run - sigma);
-          sigma_run = sigma;
-        }
-        const float down = ldexpf(1.f, -sigma_run);
-        p_scale[0] = row_scale[0] * down;
-        p_scale[1] = row_scale[1] * down;
-      }
-      float alpha[kCols];
-#pragma unroll
-      for (int q = 0; q < kCols; ++q) {
-        const int col = col_of(q);
-        float tm = colmax_s[(group * 4) * N + col];
-#pragma unroll
-        for (int k = 1; k < 4; ++k) tm = fmaxf(tm, colmax_s[(group * 4 + k) * N + col]);
-        const float m = raised_max(m_run[q], tm);
-        alpha[q] = rescale_factor<true>(m_run[q], m);
-        m_run[q] = m;
-        l_run[q] *= alpha[q];
-        if constexpr (kZeros) corr_run[q] *= alpha[q];  // (else 0, and no registers held for it)
-        float pr[2];
-        uint32_t pair;
-        {
+        for (int q = 0; q < kCols; ++q) {
+          float pr[2];
           arch::Vec<M, 2> pv;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const float x = sc[4 * (q / 2) + 2 * h + (q % 2)];
-            pr[h] = m == -INFINITY ? 0.f : arch::exp2_ftz(x - m + Fmt::kPShift);
-            l_run[q] += pr[h];
-            pv.v[h] = arch::from_float<M>(kRowScaled ? pr[h] * p_scale[h] : pr[h]);
-            if constexpr (kZeros) corr_run[q] += pr[h] * row_zero[h];
+            pr[h] = m_run[q] == -INFINITY ? 0.f : arch::exp2_ftz(x - m_run[q] + Fmt::kPShift);
+            pv.v[h] = arch::from_float<M>(kRowScaled ? pr[h] * (row_scale[h] * scale_down) : pr[h]);
           }
-          pair = *reinterpret_cast<const uint32_t*>(&pv);
+          l_add[q] = pr[0] + pr[1];
+          if constexpr (kZeros) corr_add[q] = pr[0] * row_zero[0] + pr[1] * row_zero[1];
+          *reinterpret_cast<uint32_t*>(p_s + arch::swizzled_offset(col_of(q), 2 * wq + g / 4) + 4 * (g % 4)) =
+              *reinterpret_cast<const uint32_t*>(&pv);
         }
-        // P^T [col][token slot]: the thread's tokens r0, r0 + 8 are slots 16 wq + 2 g, + 1.
-        *reinterpret_cast<uint32_t*>(p_s + arch::swizzled_offset(col, 2 * wq + g / 4) + 4 * (g % 4)) = pair;
+        arch::fence_proxy_async();
+      };
+      write_p();
+      moves = __any_sync(0xffffffffu, moves);
+      if (lane == 0) votes[wq] = moves;
+      arch::named_barrier_sync(1 + group, 128);  // this tile's P^T and votes are complete
+      const int4 vote = *reinterpret_cast<const int4*>(votes);
+      if (vote.x | vote.y | vote.z | vote.w) {
+        float tile_max[kCols];
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) {
+          tile_max[q] = fmaxf(sc[4 * (q / 2) + (q % 2)], sc[4 * (q / 2) + 2 + (q % 2)]);
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) tile_max[q] = fmaxf(tile_max[q], __shfl_xor_sync(0xffffffffu, tile_max[q], o));
+          if (g == 0) colmax_s[(group * 4 + wq) * N + col_of(q)] = tile_max[q];
+        }
+        if constexpr (kRowScaled) {
+          float smax = fmaxf(fabsf(row_scale[0]), fabsf(row_scale[1]));
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+          if (lane == 0) smax_s[group * 4 + wq] = smax;
+        }
+        arch::named_barrier_sync(1 + group, 128);
+        float grow = 1.f;
+        if constexpr (kRowScaled) {
+          const float smax = fmaxf(fmaxf(smax_s[group * 4], smax_s[group * 4 + 1]), fmaxf(smax_s[group * 4 + 2], smax_s[group * 4 + 3]));
+          const int sigma = scale_exponent(smax);
+          if (sigma > sigma_run) {
+            grow = ldexpf(1.f, sigma_run - sigma);
+            sigma_run = sigma;
+            scale_down = ldexpf(1.f, -sigma_run);
+          }
+        }
+        float alpha[kCols];
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) {
+          const int col = col_of(q);
+          float tm = colmax_s[(group * 4) * N + col];
+#pragma unroll
+          for (int k = 1; k < 4; ++k) tm = fmaxf(tm, colmax_s[(group * 4 + k) * N + col]);
+          const float m = raised_max(m_run[q], tm);
+          alpha[q] = rescale_factor<true>(m_run[q], m);
+          m_run[q] = m;
+          l_run[q] *= alpha[q];
+          if constexpr (kZeros) corr_run[q] *= alpha[q];  // (else 0, and no registers held for it)
+        }
+        write_p();
+        arch::named_barrier_sync(1 + group, 128);  // P^T is rewritten (and colmax_s read)
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) {
+          const float f = alpha[q] * grow;
+          if (f != 1.f) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              acc[i][4 * (q / 2) + (q % 2)] *= f;
+              acc[i][4 * (q / 2) + 2 + (q % 2)] *= f;
+            }
+          }
+        }
       }
-      arch::fence_proxy_async();
-      arch::named_barrier_sync(1 + group, 128);  // P^T is complete (and colmax_s read)
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
-        const float f = alpha[q] * grow;
-        if (f != 1.f) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            acc[i][4 * (q / 2) + (q % 2)] *= f;
-            acc[i][4 * (q / 2) + 2 + (q % 2)] *= f;
-          }
-        }
+        l_run[q] += l_add[q];
+        if constexpr (kZeros) corr_run[q] += corr_add[q];
       }
       // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; kBatch of the
       // 8 M tiles per batch of wgmmas, the next batch converting under it.
@@ -716,7 +750,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
             arch::wgmma_fence();
 #pragma unroll
             for (int ii = 0; ii < kBatch; ++ii)
-              Mma::mma(acc[kBatch * part + ii], a[batch % 2][ii], arch::desc_advance(p_desc, s * 32), 1);
+              Mma::mma(acc[kBatch * part + ii], a[batch % 2][ii], arch::desc_advance(p_desc, parity * N * arch::kSwizzleRowBytes + s * 32), 1);
             arch::wgmma_commit();
           }
         }
