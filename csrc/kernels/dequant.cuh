@@ -89,10 +89,10 @@ __device__ __forceinline__ uint32_t unbias_halves(uint32_t biased) {
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&magic));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
-// Two bytes of `w` as a pair of halves: `selector` (__byte_perm's) puts them in bytes 0 and 2 and
-// byte 4 (the magic's 0x64) in bytes 1 and 3, e.g. 0x4140 for bytes 0, 1 and 0x4342 for 2, 3.
-__device__ __forceinline__ uint32_t byte_codes_to_halves(uint32_t w, uint32_t selector) {
-  return unbias_halves(__byte_perm(w, kHalfMagic | (kHalfMagic >> 8), selector));
+// Two bytes of `w` as a pair of halves 1024 + c: `selector` (__byte_perm's) puts them in bytes 0 and
+// 2 and byte 4 (the magic's 0x64) in bytes 1 and 3, e.g. 0x4140 for bytes 0, 1 and 0x4342 for 2, 3.
+__device__ __forceinline__ uint32_t byte_codes_to_biased_halves(uint32_t w, uint32_t selector) {
+  return __byte_perm(w, kHalfMagic | (kHalfMagic >> 8), selector);
 }
 // Nibbles K and K + 4 of `w` (K = 0 or 1: bits 4 K and 16 + 4 K) as a pair of halves, one masking
 // lop3 each: nibble 1 lands as 16 c under the magic, which one fused multiply-add (x / 16 - 64)

@@ -11,7 +11,11 @@
 // exact in fp16, and the scales go where they cost nothing:
 //   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
 //   int8 / int4 (code c, row scale s_t, zero z_t): S = s_t (Q.C^T) + z_t sum(q), and
-//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel;
+//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel; int8's codes
+//         enter as 1024 + c (dequant.cuh's magic, its subtraction left out: a packed op per pair
+//         fewer), the 1024 leaving in the zero terms: S = s_t (Q.(C + 1024)^T) + (z_t - 1024 s_t)
+//         sum(q), O = (P s_t).(C + 1024) + sum_t (P z_t - 1024 (P s_t)), the last P s_t as rounded
+//         (1024 is 8 times a mean code: ~3 bits of fp32's 24 cancel);
 //   fp8_ds_mla (tile scales s_t,k, bf16 rope r): S = sum_k s_t,k (Q.C_k^T) + 2^rho_t (Q.(r 2^-rho_t)^T),
 //         each 128-feature tile's codes (exact) and the rope (exact in fp16 under the token's rope
 //         power of two rho_t) in a score buffer of its own, folded in fp32; O = (P 2^sigma_t).V with
@@ -83,6 +87,9 @@ constexpr bool supports(KvFormat f) { return f != KvFormat::kNone; }
 template <KvFormat F>
 struct Format {
   static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;  // (scale, zero) pairs
+  // int8's codes enter the products as 1024 + c (the top of the file); int4's do not (a nibble's
+  // mean is 1/137 of 1024: too many of the scores' bits would cancel)
+  static constexpr float kCodeBias = F == KvFormat::kInt8 ? 1024.f : 0.f;
   static constexpr bool kDs = F == KvFormat::kFp8DsMla;
   // A per-token scale on the scores and on P (the top of the file): int8 / int4's s_t, fp8_ds_mla's 2^sigma_t.
   static constexpr bool kRowScaled = kTrailer || kDs;
@@ -158,8 +165,8 @@ __device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo
     arch::e4m3x4_to_halves(raw_word<F>(raw, s), lo, hi);
   } else if constexpr (F == KvFormat::kInt8) {
     const uint32_t w = raw_word<F>(raw, s);
-    lo = dequant::byte_codes_to_halves(w, 0x4140u);
-    hi = dequant::byte_codes_to_halves(w, 0x4342u);
+    lo = dequant::byte_codes_to_biased_halves(w, 0x4140u);
+    hi = dequant::byte_codes_to_biased_halves(w, 0x4342u);
   } else {
     // TurboMind's nibble order: nibbles k and k + 4 of a word are its values 2 k and 2 k + 1, so
     // step s takes nibbles (0, 4), (1, 5) of its word, or (2, 6), (3, 7).
@@ -189,8 +196,8 @@ __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, in
     if constexpr (F == KvFormat::kFp8 || F == KvFormat::kFp8DsMla) {
       arch::e4m3x4_to_halves(x, c0, c1);
     } else {
-      c0 = dequant::byte_codes_to_halves(x, 0x4140u);
-      c1 = dequant::byte_codes_to_halves(x, 0x4342u);
+      c0 = dequant::byte_codes_to_biased_halves(x, 0x4140u);
+      c1 = dequant::byte_codes_to_biased_halves(x, 0x4342u);
     }
   }
 }
@@ -459,7 +466,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     // int formats and fp8_ds_mla: O accumulates in units of 2^sigma_run, the warpgroup's running power
     // of two above every row scale of its tiles so far (the top of the file); it moves up only.
     int sigma_run = kMinScaleExponent;
-    float scale_down = ldexpf(1.f, -sigma_run);  // 2^-sigma_run
+    float scale_down = ldexpf(1.f, -sigma_run), scale_up = ldexpf(1.f, sigma_run);  // 2^-sigma_run, 2^sigma_run
 
     for (int t = group; t < tiles; t += kGroups) {
       const int stage = t % kStages, first = w.kv_lo + t * kTokens;
@@ -611,6 +618,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       unsigned char* p_s = p_base + parity * N * arch::kSwizzleRowBytes;
       int* votes = vote_s + (group * 2 + parity) * 4;
       bool moves = false;
+      // int8: the zero term takes the codes' bias back out (the top of the file)
+      const float score_zero[2] = {fmaf(-Fmt::kCodeBias, row_scale[0], row_zero[0]),
+                                   fmaf(-Fmt::kCodeBias, row_scale[1], row_zero[1])};
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(q);
@@ -620,7 +630,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
-          if constexpr (kZeros) x = row_scale[h] * x + row_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
+          if constexpr (kZeros) x = row_scale[h] * x + score_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
           x = first + r0 + 8 * h < limit ? x * score_scale : -INFINITY;
           moves |= raised_max(m_run[q], x) != m_run[q];
         }
@@ -642,7 +652,11 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
             pv.v[h] = arch::from_float<M>(kRowScaled ? pr[h] * (row_scale[h] * scale_down) : pr[h]);
           }
           l_add[q] = pr[0] + pr[1];
-          if constexpr (kZeros) corr_add[q] = pr[0] * row_zero[0] + pr[1] * row_zero[1];
+          if constexpr (kZeros) {
+            corr_add[q] = pr[0] * row_zero[0] + pr[1] * row_zero[1];
+            if constexpr (Fmt::kCodeBias != 0.f)  // P s_t as it entered the products, back in true units
+              corr_add[q] -= Fmt::kCodeBias * scale_up * (arch::to_float(pv.v[0]) + arch::to_float(pv.v[1]));
+          }
           *reinterpret_cast<uint32_t*>(p_s + arch::swizzled_offset(col_of(q), 2 * wq + g / 4) + 4 * (g % 4)) =
               *reinterpret_cast<const uint32_t*>(&pv);
         }
@@ -677,6 +691,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
             grow = ldexpf(1.f, sigma_run - sigma);
             sigma_run = sigma;
             scale_down = ldexpf(1.f, -sigma_run);
+            scale_up = ldexpf(1.f, sigma_run);
           }
         }
         float alpha[kCols];
