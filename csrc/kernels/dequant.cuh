@@ -95,21 +95,17 @@ __device__ __forceinline__ uint32_t byte_codes_to_biased_halves(uint32_t w, uint
   return __byte_perm(w, kHalfMagic | (kHalfMagic >> 8), selector);
 }
 // Nibbles K and K + 4 of `w` (K = 0 or 1: bits 4 K and 16 + 4 K) as a pair of halves, one masking
-// lop3 each: nibble 1 lands as 16 c under the magic, which one fused multiply-add (x / 16 - 64)
-// makes c, exactly (both steps are exact in fp16).
+// lop3: 1024 + c for nibble 0, 1024 + 16 c for nibble 1 (biased; their callers take the bias out).
 template <int K>
-__device__ __forceinline__ uint32_t nibble_codes_to_halves(uint32_t w) {
+__device__ __forceinline__ uint32_t nibble_codes_to_biased_halves(uint32_t w) {
   static_assert(K == 0 || K == 1, "the low byte of each half holds nibbles 0 and 1");
   uint32_t biased;
   asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(biased) : "r"(w), "n"(K == 0 ? 0x000F000Fu : 0x00F000F0u), "n"(kHalfMagic));
-  if constexpr (K == 0) {
-    return unbias_halves(biased);
-  } else {
-    const uint32_t sixteenth = 0x2C002C00u, minus_64 = 0xD400D400u;
-    const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&sixteenth),
-                              *reinterpret_cast<const __half2*>(&minus_64));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
+  return biased;
+}
+// Nibbles 0 and 4 as the pair of halves c, exactly.
+__device__ __forceinline__ uint32_t low_nibble_codes_to_halves(uint32_t w) {
+  return unbias_halves(nibble_codes_to_biased_halves<0>(w));
 }
 
 // An int code (< 2^23) as a float without a conversion instruction: its bits under 2^23's exponent.

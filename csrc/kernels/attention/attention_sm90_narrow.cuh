@@ -11,11 +11,15 @@
 // exact in fp16, and the scales go where they cost nothing:
 //   fp8:  S = kv_scale (Q.C^T), O = kv_scale (P.C);
 //   int8 / int4 (code c, row scale s_t, zero z_t): S = s_t (Q.C^T) + z_t sum(q), and
-//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel; int8's codes
-//         enter as 1024 + c (dequant.cuh's magic, its subtraction left out: a packed op per pair
-//         fewer), the 1024 leaving in the zero terms: S = s_t (Q.(C + 1024)^T) + (z_t - 1024 s_t)
-//         sum(q), O = (P s_t).(C + 1024) + sum_t (P z_t - 1024 (P s_t)), the last P s_t as rounded
-//         (1024 is 8 times a mean code: ~3 bits of fp32's 24 cancel);
+//         O = (P s_t).C + sum_t P z_t, P s_t rounded to fp16 as P is in every kernel. Codes enter
+//         biased, as dequant.cuh's magic leaves them without its packed subtraction (one op per pair
+//         fewer): int8's as 1024 + c, int4's high nibbles (a block's features 4 s + 2, 4 s + 3) as
+//         1024 + 16 c with their q divided by 16 in Q^T (exact: q enters under its power of two for
+//         either dtype), its low nibbles as c. The bias leaves in fp32: the scores less 1024 times the
+//         biased features' sum of q (as stored), the biased output columns less 1024 sum_t (P s_t) (as
+//         rounded), int4's then divided by 16. 1024 is 8 times int8's mean code and 64 times int4's
+//         high nibble's (x 16): ~3 of fp32's 24 bits cancel. int4's low nibbles stay unbiased: their
+//         1024 would be 137 times a mean nibble, too many bits;
 //   fp8_ds_mla (tile scales s_t,k, bf16 rope r): S = sum_k s_t,k (Q.C_k^T) + 2^rho_t (Q.(r 2^-rho_t)^T),
 //         each 128-feature tile's codes (exact) and the rope (exact in fp16 under the token's rope
 //         power of two rho_t) in a score buffer of its own, folded in fp32; O = (P 2^sigma_t).V with
@@ -87,9 +91,10 @@ constexpr bool supports(KvFormat f) { return f != KvFormat::kNone; }
 template <KvFormat F>
 struct Format {
   static constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;  // (scale, zero) pairs
-  // int8's codes enter the products as 1024 + c (the top of the file); int4's do not (a nibble's
-  // mean is 1/137 of 1024: too many of the scores' bits would cancel)
-  static constexpr float kCodeBias = F == KvFormat::kInt8 ? 1024.f : 0.f;
+  static constexpr float kCodeBias = 1024.f;  // int codes enter biased (the top of the file)
+  // int4's biased columns (half of them) keep sum_t (P s_t) apart until the epilogue; int8's (all)
+  // take it into the zero-point term sum_t P z_t as they go (fewer registers: N = 24 spilled)
+  static constexpr bool kBiasSum = F == KvFormat::kInt4;
   static constexpr bool kDs = F == KvFormat::kFp8DsMla;
   // A per-token scale on the scores and on P (the top of the file): int8 / int4's s_t, fp8_ds_mla's 2^sigma_t.
   static constexpr bool kRowScaled = kTrailer || kDs;
@@ -109,11 +114,11 @@ struct Smem {
   static constexpr size_t kQ = 0;                                         // Q^T: 9 chunks of N rows
   static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T, two per warpgroup
   static constexpr size_t kRing = kP + size_t(kGroups) * 2 * N * arch::kSwizzleRowBytes;  // (two per warpgroup)
-  // the softmax's votes [kGroups][2][4], fp8_ds_mla's factors, colmax [kGroups][4][N], qsum [N], l / corr
-  // [kGroups][4][N] each, m [kGroups][N], q exponent [N], kv limit [N], the tile's largest row scale
-  // [kGroups][4], score scale [N]
+  // the softmax's votes [kGroups][2][4], fp8_ds_mla's factors, colmax [kGroups][4][N], qsum / qbias [N]
+  // each, l / corr / psum [kGroups][4][N] each, m [kGroups][N], q exponent [N], kv limit [N], the tile's
+  // largest row scale [kGroups][4], score scale [N]
   static constexpr size_t kStatFloats = size_t(kGroups) * 8 + size_t(kGroups) * Format<F>::kFactorHalves / 2 +
-                                        size_t(kGroups) * 4 * N + N + 2 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
+                                        size_t(kGroups) * 4 * N + 2 * N + 3 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
                                         2 * N + size_t(kGroups) * 4 + N;
   static constexpr size_t kFixedBytes = kRing + kStatFloats * sizeof(float) + 8 + arch::kSwizzleAtomBytes;
   // Tile buffers of the ring: as many as fit beside the rest, up to four per warpgroup; at two
@@ -171,8 +176,8 @@ __device__ __forceinline__ void k_pairs(const Raw16<F>& raw, int s, uint32_t& lo
     // TurboMind's nibble order: nibbles k and k + 4 of a word are its values 2 k and 2 k + 1, so
     // step s takes nibbles (0, 4), (1, 5) of its word, or (2, 6), (3, 7).
     const uint32_t w = raw_word<F>(raw, s / 2) >> (8 * (s % 2));
-    lo = dequant::nibble_codes_to_halves<0>(w);
-    hi = dequant::nibble_codes_to_halves<1>(w);
+    lo = dequant::low_nibble_codes_to_halves(w);
+    hi = dequant::nibble_codes_to_biased_halves<1>(w);  // 1024 + 16 c (the top of the file)
   }
 }
 
@@ -185,11 +190,11 @@ __device__ __forceinline__ void v_pairs(const Raw16<F>& a, const Raw16<F>& b, in
     const int k = i % 4;
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 4), raw_word<F>(b, i / 4), k / 2 == 0 ? 0x6420u : 0x7531u);
     if (k % 2 == 0) {
-      c0 = dequant::nibble_codes_to_halves<0>(x);
-      c1 = dequant::nibble_codes_to_halves<0>(x >> 8);
+      c0 = dequant::low_nibble_codes_to_halves(x);
+      c1 = dequant::low_nibble_codes_to_halves(x >> 8);
     } else {
-      c0 = dequant::nibble_codes_to_halves<1>(x);
-      c1 = dequant::nibble_codes_to_halves<1>(x >> 8);
+      c0 = dequant::nibble_codes_to_biased_halves<1>(x);
+      c1 = dequant::nibble_codes_to_biased_halves<1>(x >> 8);
     }
   } else {
     const uint32_t x = __byte_perm(raw_word<F>(a, i / 2), raw_word<F>(b, i / 2), i % 2 == 0 ? 0x5140u : 0x7362u);
@@ -341,7 +346,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     constexpr bool kLoadAhead = kGroups == 2 && !Fmt::kDs;
     using M = __half;  // the products' type (the top of the file)
     using Mma = arch::WgmmaRegA<M, N>;
-    constexpr bool kScaledQ = !std::is_same_v<M, T>;
+    // int4 divides its high nibbles' q by 16: under the row's power of two, fp16 q too (the top of the file)
+    constexpr bool kScaledQ = !std::is_same_v<M, T> || F == KvFormat::kInt4;
     constexpr int kCols = N / 4;  // score columns of a thread
     constexpr bool kZeros = Fmt::kTrailer, kRowScaled = Fmt::kRowScaled;
     extern __shared__ unsigned char smem_raw[];
@@ -353,9 +359,11 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     __half* factor_s = reinterpret_cast<__half*>(vote_s + kGroups * 8);
     float* colmax_s = reinterpret_cast<float*>(factor_s + kGroups * Fmt::kFactorHalves);  // [group][warp][N]
     float* qsum_s = colmax_s + kGroups * 4 * N;                    // [N]
-    float* l_s = qsum_s + N;                                       // [group][warp][N]
+    float* qbias_s = qsum_s + N;                                   // [N]: 1024 x the biased features' q sum
+    float* l_s = qbias_s + N;                                      // [group][warp][N]
     float* corr_s = l_s + kGroups * 4 * N;                         // [group][warp][N]
-    float* m_s = corr_s + kGroups * 4 * N;                         // [group][N]
+    float* psum_s = corr_s + kGroups * 4 * N;                      // [group][warp][N]
+    float* m_s = psum_s + kGroups * 4 * N;                         // [group][N]
     int* q_exp_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]
     int* limit_s = q_exp_s + N;                                    // [N]: a column's kv positions end
     float* smax_s = reinterpret_cast<float*>(limit_s + N);         // [group][warp]
@@ -401,7 +409,12 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
           for (int h = 0; h < 2; ++h) x[h] = scaled_pairs<T, M>(x[h], down);
         }
       }
-      const uint32_t words[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+      uint32_t words[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+      if constexpr (F == KvFormat::kInt4) {  // odd words: the features of high nibbles, q / 16
+        const uint32_t sixteenth = 0x2C002C00u;
+#pragma unroll
+        for (int k = 1; k < 8; k += 2) words[k] = times_halves(words[k], sixteenth);
+      }
       unsigned char* chunk = q_s + j * N * arch::kSwizzleRowBytes;
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
@@ -423,18 +436,26 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       return;
     }
     arch::grow_registers<Groups<F, N>::kMathRegisters>();
-    if constexpr (kZeros) {  // the row sums of q as it enters the products
+    if constexpr (kZeros) {  // the row sums of q as it enters the products, and of the biased features'
       for (int n = warp; n < N; n += kMathThreads / 32) {
-        float sum = 0.f;
+        // the lane's pair is in 16-byte unit lane / 4 of the swizzled row: Q^T's word (lane / 4) ^ (n % 8),
+        // odd words int4's high nibbles (stored as q / 16)
+        const bool high = F == KvFormat::kInt4 && (((lane / 4) ^ (n & 7)) & 1);
+        float sum = 0.f, biased = 0.f;
 #pragma unroll
         for (int j = 0; j < kBlocks; ++j) {
           const arch::Vec<M, 2> v =
               *reinterpret_cast<const arch::Vec<M, 2>*>(q_s + j * N * arch::kSwizzleRowBytes + n * arch::kSwizzleRowBytes + 4 * lane);
-          sum += arch::to_float(v.v[0]) + arch::to_float(v.v[1]);
+          const float pair = arch::to_float(v.v[0]) + arch::to_float(v.v[1]);
+          sum += high ? 16.f * pair : pair;
+          if (F == KvFormat::kInt8 || high) biased += pair;
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) qsum_s[n] = sum;
+        for (int o = 16; o > 0; o >>= 1) {
+          sum += __shfl_xor_sync(0xffffffffu, sum, o);
+          biased += __shfl_xor_sync(0xffffffffu, biased, o);
+        }
+        if (lane == 0) qsum_s[n] = sum, qbias_s[n] = Fmt::kCodeBias * biased;
       }
       arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
     }
@@ -460,9 +481,11 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int k = 0; k < N / 2; ++k) acc[i][k] = 0.f;
-    float m_run[kCols], l_run[kCols], corr_run[kCols];
+    // int formats: corr_run = sum_t P z_t (int8: less the codes' bias in O), int4: psum_run = sum_t (P s_t) as
+    // rounded (the bias in its high nibbles' columns); true units
+    float m_run[kCols], l_run[kCols], corr_run[kCols], psum_run[kCols];
 #pragma unroll
-    for (int q = 0; q < kCols; ++q) m_run[q] = -INFINITY, l_run[q] = 0.f, corr_run[q] = 0.f;
+    for (int q = 0; q < kCols; ++q) m_run[q] = -INFINITY, l_run[q] = 0.f, corr_run[q] = 0.f, psum_run[q] = 0.f;
     // int formats and fp8_ds_mla: O accumulates in units of 2^sigma_run, the warpgroup's running power
     // of two above every row scale of its tiles so far (the top of the file); it moves up only.
     int sigma_run = kMinScaleExponent;
@@ -618,19 +641,16 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       unsigned char* p_s = p_base + parity * N * arch::kSwizzleRowBytes;
       int* votes = vote_s + (group * 2 + parity) * 4;
       bool moves = false;
-      // int8: the zero term takes the codes' bias back out (the top of the file)
-      const float score_zero[2] = {fmaf(-Fmt::kCodeBias, row_scale[0], row_zero[0]),
-                                   fmaf(-Fmt::kCodeBias, row_scale[1], row_zero[1])};
 #pragma unroll
       for (int q = 0; q < kCols; ++q) {
         const int col = col_of(q);
         const int limit = limit_s[col];
         const float score_scale = score_scale_s[col];
-        const float qsum = kZeros ? qsum_s[col] : 0.f;
+        const float qsum = kZeros ? qsum_s[col] : 0.f, qbias = kZeros ? qbias_s[col] : 0.f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = sc[4 * (q / 2) + 2 * h + (q % 2)];
-          if constexpr (kZeros) x = row_scale[h] * x + score_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
+          if constexpr (kZeros) x = row_scale[h] * (x - qbias) + row_zero[h] * qsum;  // (fp8_ds_mla's are scaled)
           x = first + r0 + 8 * h < limit ? x * score_scale : -INFINITY;
           moves |= raised_max(m_run[q], x) != m_run[q];
         }
@@ -639,7 +659,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       // P^T [col][token slot] under the running max and power: the thread's tokens r0, r0 + 8 are slots
       // 16 wq + 2 g, + 1. Row-scaled formats: P s_t 2^-sigma_run enters the products, below 2^15
       // (P 2^7 <= 2^15, s_t < 2^sigma_run).
-      float l_add[kCols], corr_add[kCols];
+      float l_add[kCols], corr_add[kCols], psum_add[kCols];
       auto write_p = [&]() {
 #pragma unroll
         for (int q = 0; q < kCols; ++q) {
@@ -654,8 +674,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
           l_add[q] = pr[0] + pr[1];
           if constexpr (kZeros) {
             corr_add[q] = pr[0] * row_zero[0] + pr[1] * row_zero[1];
-            if constexpr (Fmt::kCodeBias != 0.f)  // P s_t as it entered the products, back in true units
-              corr_add[q] -= Fmt::kCodeBias * scale_up * (arch::to_float(pv.v[0]) + arch::to_float(pv.v[1]));
+            psum_add[q] = scale_up * (arch::to_float(pv.v[0]) + arch::to_float(pv.v[1]));  // P s_t as it entered
+            if constexpr (!Fmt::kBiasSum) corr_add[q] -= Fmt::kCodeBias * psum_add[q];
           }
           *reinterpret_cast<uint32_t*>(p_s + arch::swizzled_offset(col_of(q), 2 * wq + g / 4) + 4 * (g % 4)) =
               *reinterpret_cast<const uint32_t*>(&pv);
@@ -706,6 +726,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
           m_run[q] = m;
           l_run[q] *= alpha[q];
           if constexpr (kZeros) corr_run[q] *= alpha[q];  // (else 0, and no registers held for it)
+          if constexpr (Fmt::kBiasSum) psum_run[q] *= alpha[q];
         }
         write_p();
         arch::named_barrier_sync(1 + group, 128);  // P^T is rewritten (and colmax_s read)
@@ -725,6 +746,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       for (int q = 0; q < kCols; ++q) {
         l_run[q] += l_add[q];
         if constexpr (kZeros) corr_run[q] += corr_add[q];
+        if constexpr (Fmt::kBiasSum) psum_run[q] += psum_add[q];
       }
       // O^T += V^T . P^T: k step s takes the thread's tokens 16 s + c + {0, 8, 4, 12}; kBatch of the
       // 8 M tiles per batch of wgmmas, the next batch converting under it.
@@ -778,15 +800,17 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     // Epilogue: the warpgroups' states meet in shared memory; warpgroup 0 writes the rows.
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
-      float l = l_run[q], cr = kZeros ? corr_run[q] : 0.f;
+      float l = l_run[q], cr = kZeros ? corr_run[q] : 0.f, ps = Fmt::kBiasSum ? psum_run[q] : 0.f;
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
         l += __shfl_xor_sync(0xffffffffu, l, o);
         cr += __shfl_xor_sync(0xffffffffu, cr, o);
+        ps += __shfl_xor_sync(0xffffffffu, ps, o);
       }
       if (g == 0) {
         l_s[(group * 4 + wq) * N + col_of(q)] = l;
         corr_s[(group * 4 + wq) * N + col_of(q)] = cr;
+        psum_s[(group * 4 + wq) * N + col_of(q)] = ps;
         if (wq == 0) m_s[group * N + col_of(q)] = m_run[q];
       }
     }
@@ -798,25 +822,27 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     auto merge_chunk = [&](int k, int col, int i) {
       return reinterpret_cast<float4*>(merge + ((k - 1) * N + col) * kLatentDim) + ((4 * u + i) ^ ((col >> 1) & 3));
     };
-    float factor[kCols], total_l[kCols], total_corr[kCols], merged_max[kCols];
+    float factor[kCols], total_l[kCols], total_corr[kCols], total_psum[kCols], merged_max[kCols];
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       const int col = col_of(q);
       float m = m_s[col];
 #pragma unroll
       for (int k = 1; k < kGroups; ++k) m = fmaxf(m, m_s[k * N + col]);
-      total_l[q] = total_corr[q] = 0.f;
+      total_l[q] = total_corr[q] = total_psum[q] = 0.f;
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {
         const float mk = m_s[k * N + col], fk = mk == -INFINITY ? 0.f : exp2f(mk - m);
-        float l = 0.f, cr = 0.f;
+        float l = 0.f, cr = 0.f, ps = 0.f;
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           l += l_s[(4 * k + x) * N + col];
           cr += corr_s[(4 * k + x) * N + col];
+          ps += psum_s[(4 * k + x) * N + col];
         }
         total_l[q] += l * fk;
         total_corr[q] += cr * fk;
+        total_psum[q] += ps * fk;
         if (k == group) factor[q] = fk * (kRowScaled ? ldexpf(1.f, sigma_run) : 1.f);  // O's, in its units
       }
       merged_max[q] = m;
@@ -855,10 +881,13 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
           const float4 x = *merge_chunk(k, col, i);
           b = make_float4(b.x + x.x, b.y + x.y, b.z + x.z, b.w + x.w);
         }
-        o[4 * i] = (acc[2 * i][lo] * factor[q] + b.x + total_corr[q]) * inv;
-        o[4 * i + 1] = (acc[2 * i][hi] * factor[q] + b.y + total_corr[q]) * inv;
-        o[4 * i + 2] = (acc[2 * i + 1][lo] * factor[q] + b.z + total_corr[q]) * inv;
-        o[4 * i + 3] = (acc[2 * i + 1][hi] * factor[q] + b.w + total_corr[q]) * inv;
+        // int4: the codes' bias out of the columns of odd M tiles (high nibbles), then their 16
+        const float bias = Fmt::kCodeBias * total_psum[q];
+        auto unbiased = [&](float x, bool high) { return Fmt::kBiasSum && high ? (x - bias) * 0.0625f : x; };
+        o[4 * i] = (unbiased(acc[2 * i][lo] * factor[q] + b.x, false) + total_corr[q]) * inv;
+        o[4 * i + 1] = (unbiased(acc[2 * i][hi] * factor[q] + b.y, false) + total_corr[q]) * inv;
+        o[4 * i + 2] = (unbiased(acc[2 * i + 1][lo] * factor[q] + b.z, true) + total_corr[q]) * inv;
+        o[4 * i + 3] = (unbiased(acc[2 * i + 1][hi] * factor[q] + b.w, true) + total_corr[q]) * inv;
       }
       if (split) {
         float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
