@@ -183,6 +183,39 @@ def test_a_shard_clean_alone_passes(tmp_path):
     assert sanitize.report(tmp_path, allow, ["synccheck"]) == 0
 
 
+def test_a_shard_without_calls_is_no_failure(tmp_path):
+    # --only selecting fewer calls than a tool's shards leaves a process with none; compute-sanitizer
+    # then exits 255 with one error line, which says nothing of a kernel
+    clean = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
+    empty = ("========= COMPUTE-SANITIZER\n"
+             "========= Error: Target application terminated before first instrumented API call\n")
+    _write_run(tmp_path, "racecheck", clean, [_record(DECODE)], rc=0)
+    _write_run(tmp_path, "racecheck", empty, [], rc=255, shard=1)
+    allow = tmp_path / "allow.txt"
+    allow.write_text("# nothing allowed\n")
+    assert sanitize.report(tmp_path, allow, ["racecheck"]) == 0
+    # the same log from a shard that had calls (and lost them) still fails
+    _write_run(tmp_path, "racecheck", empty, [_record(WRITE)], rc=255, done=False, shard=2)
+    assert sanitize.report(tmp_path, allow, ["racecheck"]) == 1
+
+
+def test_shards_split_a_selection_evenly(monkeypatch, tmp_path):
+    every = [n for n, _ in sanitize.calls()]
+    names = [n for n in every if n.startswith("quantized/") and "/best/" in n]
+    assert len(names) >= 3
+    given = {}
+
+    def fake_run(case, device, index):  # records which calls each shard was given
+        given.setdefault(shard, []).append(every[index])
+        return type("Outcome", (), dict(problems=[], canary_bytes=0, fatal=False))()
+
+    monkeypatch.setattr(sanitize._sweep_cases(), "run", fake_run)
+    for shard in range(3):
+        assert sanitize.run_calls(tmp_path / f"s{shard}.jsonl", "quantized/.*/best", (shard, 3), "cpu") == 0
+    assert sorted(c for calls in given.values() for c in calls) == sorted(names)
+    assert max(map(len, given.values())) - min(map(len, given.values())) <= 1
+
+
 def test_allow_list_pins_the_hopper_handoffs_it_names():
     """The racecheck entries pin lines of the Hopper kernels' headers, which move with every edit there:
     each pinned line must still touch a shared buffer the entry's reason names first ("max_s:",
