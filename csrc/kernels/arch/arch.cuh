@@ -115,6 +115,23 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// One 16- / 8-byte shared-memory load that stays one instruction: from a plain vector load whose
+// words are used apart, nvcc may make four (two) 4-byte ones (the narrow kernel's int K pass did:
+// four times the MIO issues). volatile keeps it after the mbarrier wait that made the bytes land.
+__device__ __forceinline__ uint4 load_shared_16(const void* p) {
+  uint4 r;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
+  return r;
+}
+__device__ __forceinline__ uint2 load_shared_8(const void* p) {
+  uint2 r;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
+  return r;
+}
+
 // Host side: the widest access (16 bytes, else two elements, else 0 = unsupported) that every
 // given address and byte stride/offset of an op allows.
 inline int64_t widest_access(int64_t elem_bytes, std::initializer_list<const void*> ptrs,

@@ -238,7 +238,11 @@ __device__ __forceinline__ float bf16_pair_amax(uint32_t w) {
 
 template <KvFormat F>
 __device__ __forceinline__ Raw16<F> load_raw(const unsigned char* p) {
-  return *reinterpret_cast<const Raw16<F>*>(p);
+  // int codes: one wide load each, or nvcc splits the K pass's into 4-byte ones (fp8's stay whole,
+  // and the forced form costs its tile loop some 60 instructions of scheduling)
+  if constexpr (F == KvFormat::kInt4) return arch::load_shared_8(p);
+  else if constexpr (F == KvFormat::kInt8) return arch::load_shared_16(p);
+  else return *reinterpret_cast<const Raw16<F>*>(p);
 }
 
 // The warp's sum of x: sm80's redux where the target has it (the kernel runs on sm90 only, but its
