@@ -197,10 +197,11 @@ def test_block_pointer_quantized_write(kv_format, dtype, fused, arch):
 
 
 # ------------------------------------------------------------------ rounding boundaries
-# The kernels find most codes by a product with the reciprocal of the scale and divide only where the
-# product may round otherwise than the spec's correctly rounded quotient. These rows hold the values
-# on which the two differ, or which are exact ties, so a kernel that trusts the product too far (or
-# never divides) writes other bytes than the spec.
+# e4m3 bytes: the kernels find most by a product with the reciprocal of the scale and divide only where
+# the product may round otherwise than the spec's correctly rounded quotient. int codes: the spec is
+# the product n r (r = fl(1 / scale)) rounded once, one fma. The rows below hold the values on which a
+# kernel that trusts a product too far, never divides, divides where it should multiply, or rounds
+# the int product twice (fl(n r), then to an integer) writes other bytes than the spec.
 def _dtype_grid(dtype):
     """Every finite value of a 16-bit dtype, as float32."""
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
@@ -208,38 +209,43 @@ def _dtype_grid(dtype):
     return values[torch.isfinite(values)]
 
 
-def _product_differs(v, lo, hi, dtype, top):
-    """For values v (float32) of a row whose min and max are lo and hi: whether round(n * (1 / scale))
-    (the product rounded once, as an fma does) and round(n / scale) (the spec) give other codes."""
+def _int_code_variants(v, lo, hi, dtype, top):
+    """For values v (float32) of a row whose min and max are lo and hi: (the spec's codes, the quotient's
+    round(fl(n / scale)), the twice-rounded product's round(fl(n r)))."""
     scale = ((hi - lo) / top).to(dtype).float()
     n = v - lo.to(dtype).float()
-    spec = torch.round(n / scale).clamp(0, top)
-    product = torch.round(n.double() * (1 / scale).double()).clamp(0, top)
-    return spec != product
+    r = 1 / scale
+    spec = torch.round(n.double() * r.double()).clamp(0, top)
+    return spec, torch.round(n / scale).clamp(0, top), torch.round(n * r).clamp(0, top)
 
 
 @functools.lru_cache(maxsize=None)
 def int_boundary_rows(kv_format, dtype, num_rows=96):
     """Rows [num_rows, 576] (float32 values of dtype) each holding its min lo and max hi and as many
-    values of dtype's grid as the search finds on which product and quotient round apart; the rest of
-    the row random values between lo and hi. Returns (rows, number of such values)."""
+    values of dtype's grid as the search finds on which the spec's code and the quotient's or the
+    twice-rounded product's differ; the rest of the row random values between lo and hi. Returns
+    (rows, number of values where the quotient differs, number where the twice-rounded one does)."""
     top = 255 if kv_format == "int8" else 15
     gen = torch.Generator().manual_seed(11 + top)
     grid = _dtype_grid(dtype)
-    rows, found = [], 0
+    rows, by_quotient, by_twice = [], 0, 0
     for _ in range(20000):
         lo, hi = (torch.rand(2, generator=gen) * torch.tensor([-3.5, 3.5]) + torch.tensor([-0.5, 0.5])).to(dtype).float()
         v = grid[(grid > lo) & (grid < hi)]
-        hard = v[_product_differs(v, lo, hi, dtype, top)][:500]
+        spec, quotient, twice = _int_code_variants(v, lo, hi, dtype, top)
+        hard_twice = v[spec != twice][:100]  # the rarer kind first
+        hard = torch.cat([hard_twice, v[(spec != quotient) & (spec == twice)][:500 - len(hard_twice)]])
         if len(hard) == 0:
             continue
         fill = v[torch.randint(0, len(v), (576 - 2 - len(hard),), generator=gen)]
         row = torch.cat([torch.stack([lo, hi]), hard, fill])
         rows.append(row[torch.randperm(576, generator=gen)])
-        found += len(hard)
+        spec, quotient, twice = _int_code_variants(hard, lo, hi, dtype, top)
+        by_quotient += int((spec != quotient).sum())
+        by_twice += int((spec != twice).sum())
         if len(rows) == num_rows:
             break
-    return torch.stack(rows), found
+    return torch.stack(rows), by_quotient, by_twice
 
 
 def e4m3_midpoint_rows(num_rows, scale, gen):
@@ -264,9 +270,9 @@ def e4m3_midpoint_rows(num_rows, scale, gen):
 def test_quantized_write_at_rounding_boundaries(kv_format, dtype, arch):
     gen = torch.Generator().manual_seed(FORMATS.index(kv_format) + 40)
     if kv_format in ("int8", "int4"):
-        rows, found = int_boundary_rows(kv_format, dtype)
-        # the search is deterministic: enough values where a product alone would miss
-        assert found >= (250 if kv_format == "int8" else 150), f"only {found} boundary values found"
+        rows, by_quotient, by_twice = int_boundary_rows(kv_format, dtype)
+        # the search is deterministic: enough values where a dividing or twice-rounding kernel would miss
+        assert by_quotient >= 150 and by_twice >= 150, f"only {by_quotient} / {by_twice} boundary values found"
         cases = [(rows, KV_SCALE)]
     else:  # an exact reciprocal of the scale (one product) and an inexact one (two, bracketing)
         cases = [(e4m3_midpoint_rows(96, scale, gen), scale) for scale in (0.5, 0.75)]
@@ -283,16 +289,30 @@ def test_quantized_write_at_rounding_boundaries(kv_format, dtype, arch):
 
 
 @GPU
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16])  # an fp16 scale's reciprocal never overflows
-def test_int_write_with_a_subnormal_scale(kv_format, dtype, arch):
-    """bf16 rows whose range makes the stored scale subnormal and its fp32 reciprocal overflow: the
-    kernels then divide as the spec does (no product with 1 / scale exists)."""
+@pytest.mark.parametrize("kv_format, dtype, unit, case", [
+    ("int8", torch.bfloat16, 1e-39, "overflow"),  # an fp16 scale's reciprocal never overflows
+    ("int4", torch.bfloat16, 1e-39, "overflow"),
+    # a bf16 scale with a normal reciprocal keeps 5 bits or more: too many for int4's top to be passed
+    ("int8", torch.bfloat16, 5e-39, "coarse"),
+    ("int8", torch.float16, 4.5e-8, "coarse"),
+    ("int4", torch.float16, 4.5e-8, "coarse"),
+])
+def test_int_write_with_a_subnormal_scale(kv_format, dtype, unit, case, arch):
+    """Rows whose range makes the stored scale subnormal in dtype. overflow: its fp32 reciprocal
+    overflows, and the kernels divide as the spec does (no product with 1 / scale exists). coarse: the
+    reciprocal is a normal float, but the scale kept so few bits that the product n r of the row's
+    max exceeds the top code: the codes saturate."""
     gen = torch.Generator().manual_seed(7)
     top = 255 if kv_format == "int8" else 15
-    rows = ((torch.rand(32, 576, generator=gen) * 2 - 1) * (top * 1e-39)).to(dtype)
-    scale = ((rows.float().amax(1) - rows.float().amin(1)) / top).to(dtype).float()
-    assert bool((scale > 0).all() and torch.isinf(1 / scale).all()), "the case needs scales whose reciprocal overflows"
+    rows = ((torch.rand(32, 576, generator=gen) * 2 - 1) * (top * unit)).to(dtype)
+    lo, hi = rows.float().amin(1), rows.float().amax(1)
+    scale = ((hi - lo) / top).to(dtype).float()
+    assert bool((scale > 0).all() and (scale < torch.finfo(dtype).tiny).all())
+    if case == "overflow":
+        assert bool(torch.isinf(1 / scale).all()), "the case needs scales whose reciprocal overflows"
+    else:
+        assert bool(torch.isfinite(1 / scale).all()), "the case needs normal reciprocals"
+        assert bool(((hi - lo).double() * (1 / scale).double() > top + 0.5).any()), "the case needs codes past top"
     rows = rows.cuda()
     storage, target = paged_target(kv_format, dtype, 4, 16, gen)
     slots = torch.randperm(64, generator=gen)[:32].cuda()

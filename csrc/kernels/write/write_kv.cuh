@@ -17,11 +17,10 @@ namespace write_detail {
 
 constexpr int kWarpsPerBlock = 4;
 // Rows in flight per SM bound a copy-like kernel: the 16-byte 16-bit variants (the ones engines
-// run) cap registers at 51 so 40 warps fit; the quantizing writes at 56 (36 warps) under the Sm70 tag
-// and at 64 (32 warps) under the others, whose packed min / max (row_min_max) spill under 56. The
-// others keep the compiler's choice.
-template <class A, class T, int N, bool kQuant>
-constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8) ? (kQuant ? (A::kMinCudaArch >= 800 ? 8 : 9) : 10) : 1;
+// run) cap registers at 51 so 40 warps fit; the quantizing writes at 56 (36 warps). The others keep
+// the compiler's choice.
+template <class T, int N, bool kQuant>
+constexpr int kMinBlocksPerSm = (sizeof(T) == 2 && N == 8) ? (kQuant ? 9 : 10) : 1;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -42,18 +41,18 @@ __device__ __forceinline__ float warp_min(float x) {
   return x;
 }
 
-// Codes need only rint((v - zero) / scale) or e4m3(v / scale), not the correctly rounded quotient
-// the reference divides out (a division is ~10 instructions and a branch per value: the quantizing
-// write was instruction-bound on it). A product by r = 1 / s gives the same code wherever the
-// quotient is farther from a rounding boundary than the product's error; a lane that holds any value
-// that close redoes all of its values exactly (e4m3: by division; int codes: by a tie test, below),
-// so the bytes stay the reference's. On random bf16 rows some lane of 16% of the int8 rows and 49% of
-// the int4 ones does (exact ties); with a power-of-two fp8 scale no lane needs to.
+// e4m3 bytes need e4m3(v / s), the correctly rounded quotient the spec divides out (a division is ~10
+// instructions and a branch per value: the quantizing write was instruction-bound on it). A product
+// by r = 1 / s gives the same bytes wherever the quotient is farther from a rounding boundary than
+// the product's error; a lane that holds any value that close divides all of its values, so the
+// bytes stay the spec's. With a power-of-two fp8 scale no lane needs to. int codes are by the spec a
+// product, rint(n r) with r = fl(1 / scale) (as TurboMind quantizes): one fma a value.
 constexpr float kRoundMagic = 12582912.f;  // 1.5 x 2^23: v + it rounds v to an integer (ties to even) in the low bits
 
 constexpr float kFltMin = 1.17549435e-38f;  // the smallest normal float (fp8_ds_mla's scale floor)
 
-// Whether r (a reciprocal) is normal and finite: the products' relative error bounds need it.
+// Whether r (a reciprocal) is normal and finite: e4m3's product error bounds need it, and the int
+// spec takes the product only then.
 __device__ __forceinline__ bool normal_reciprocal(float r) { return r >= kFltMin && r < INFINITY; }
 
 // The low bytes of a, b, c, d as one word, a's lowest.
@@ -64,37 +63,19 @@ __device__ __forceinline__ uint32_t low_bytes(float a, float b, float c, float d
 
 // The codes of 8 values as TurboMind stores them: int8 one byte each (8 bytes); int4 nibbles, from the
 // low one up, of values 0, 2, 4, 6, 1, 3, 5, 7 (.x; byte j of `even | odd << 4` holds them pairwise).
-// A code is clamp(rint(q), 0, top), q the quotient (v - zero) / scale, held as kRoundMagic + code (the
-// code in the low byte). kProduct: rint of the product with r = 1 / scale, setting `near` where it may
-// round otherwise than the quotient (where rounding matters, |q| <= top + 1,
-// |n r - fl(n / scale)| <= (top + 1) 2^-23 < eps); exact ties, frequent in 16-bit data, are among
-// those. kTieTest: the spec's code of every value, by the half-integer next to the product (r normal).
-// kDivision: as the spec divides (a scale whose reciprocal is not a normal float).
-enum class CodeBy { kProduct, kTieTest, kDivision };
-template <CodeBy kBy, class T>
-__device__ __forceinline__ uint2 int_codes(const arch::Vec<T, 8>& v, float zero, float scale, float r, bool int4,
-                                           bool& near) {
-  const float top = int4 ? 15.f : 255.f, eps = (top + 2.f) * 0x1p-22f;
+// A code is min(rint(q), top), q = n r with n = v - zero >= 0 (zero is the row's min) and r = fl(1 /
+// scale), rounded once, ties to even: fma(n, r, kRoundMagic) holds kRoundMagic + code (the code in the
+// low byte). Where r is not a normal float (a scale near the ends of fp32's range) q = fl(n / scale),
+// as the spec (reference/quant.py) has it.
+template <bool kByProduct, class T>
+__device__ __forceinline__ uint2 int_codes(const arch::Vec<T, 8>& v, float zero, float scale, float r, bool int4) {
+  const float top = int4 ? 15.f : 255.f;
   float m[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float n = arch::to_float(v.v[k]) - zero;
-    float c;
-    if constexpr (kBy == CodeBy::kProduct) {
-      c = fmaf(n, r, kRoundMagic);
-      near |= !(fabsf(fmaf(n, r, kRoundMagic - c)) < 0.5f - eps);  // the product's distance to its integer
-    } else if constexpr (kBy == CodeBy::kDivision) {
-      c = rintf(n / scale) + kRoundMagic;
-    } else {
-      // The spec's rint(fl(n / scale)) without dividing: fl(n / scale) is the half-integer h next to
-      // the product exactly when n == h scale (h scale is exact: at most 10 + 11 significant bits;
-      // n's and h scale's grids leave no other quotient within half an ulp of h), and otherwise lies
-      // on the side of h that n - h scale (its sign exact by the fma) says. A tie rounds to even
-      // as h + kRoundMagic does.
-      const float h = floorf(n * r) + 0.5f, e = fmaf(-h, scale, n);
-      c = (h + (e > 0.f ? 0.5f : e < 0.f ? -0.5f : 0.f)) + kRoundMagic;
-    }
-    m[k] = fminf(fmaxf(c, kRoundMagic), kRoundMagic + top);
+    const float c = kByProduct ? fmaf(n, r, kRoundMagic) : rintf(n / scale) + kRoundMagic;
+    m[k] = fminf(c, kRoundMagic + top);
   }
   if (int4) return make_uint2(low_bytes(m[0], m[4], m[1], m[5]) | low_bytes(m[2], m[6], m[3], m[7]) << 4, 0u);
   return make_uint2(low_bytes(m[0], m[1], m[2], m[3]), low_bytes(m[4], m[5], m[6], m[7]));
@@ -261,19 +242,10 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       // the reference does.
       const bool flat = !(scale > 0.f);
       uint2 w[3] = {};
-      if (!flat) {
-        bool near = false;
-        auto codes_by = [&](auto by) {
-          for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) {
-            out = int_codes<decltype(by)::value>(v, zero, scale, r, int4, near);
-          }, w);
-        };
-        if (normal_reciprocal(r)) {
-          codes_by(std::integral_constant<CodeBy, CodeBy::kProduct>{});
-          if (near) codes_by(std::integral_constant<CodeBy, CodeBy::kTieTest>{});
-        } else {
-          codes_by(std::integral_constant<CodeBy, CodeBy::kDivision>{});
-        }
+      if (normal_reciprocal(r)) {
+        for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) { out = int_codes<true>(v, zero, scale, r, int4); }, w);
+      } else if (!flat) {
+        for_vectors([&](const arch::Vec<T, 8>& v, uint2& out) { out = int_codes<false>(v, zero, scale, r, int4); }, w);
       }
       auto put = [&](const uint2& wv, int e) {
         if (int4) *reinterpret_cast<uint32_t*>(row + e / 2) = wv.x;
@@ -331,7 +303,7 @@ __device__ __forceinline__ void rotate_pair(arch::Vec<T, N>& a, arch::Vec<T, N>&
 
 // kQuant: the cache is in a quantized KvFormat (16-bit T, 16-byte vectors), else T values.
 template <class A, class T, class CosT, int N, bool kFused, bool kQuant, class Rows>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, (kMinBlocksPerSm<A, T, N, kQuant>))
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, (kMinBlocksPerSm<T, N, kQuant>))
     write_kv_kernel(const WriteKvParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
     constexpr int kLatentVecsPerLane = kLatentDim / N / 32;

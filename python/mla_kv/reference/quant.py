@@ -11,9 +11,14 @@ it is stored, see layout.to_rope_first). ``layout.KV_FORMATS`` lists the formats
   bytes 512-527: s_0..s_3 as little-endian fp32; bytes 528-655: the 64 rope values in bf16.
 - "int8" / "int4" (TurboMind quant_policy 8 / 4): asymmetric per token over all 576 values:
   scale = (max - min) / (2^bits - 1), zero = min, both stored in the 16-bit compute dtype;
-  code = round-half-to-even((x - zero) / scale) saturated to [0, 2^bits - 1], computed from the
-  stored (rounded) scale and zero so that x = code * scale + zero is what a reader gets; a row whose
-  values are all equal (scale 0) stores code 0 everywhere. int8 codes are one byte each (576 bytes);
+  code = round-half-to-even((x - zero) * r) saturated to [0, 2^bits - 1], r = 1 / scale in fp32 and
+  the product exact (rounded once, to the code), computed from the stored (rounded) scale and zero so
+  that x = code * scale + zero is what a reader gets. A product with the reciprocal, as TurboMind
+  quantizes (its is in 16-bit precision): one fma a value in the kernels. It differs from the quotient's
+  code only within ~2^-16 of a half-integer; an exact tie of the quotient (x - zero = (k + 1/2) scale,
+  frequent in 16-bit data) rounds as r's own rounding leans: up where fl(1 / scale) > 1 / scale.
+  Where r is not a normal fp32 (a scale near the ends of fp32's range) the code is of the quotient
+  fl((x - zero) / scale); a row whose values are all equal (scale 0) stores code 0 everywhere. int8 codes are one byte each (576 bytes);
   int4 packs 8 consecutive codes v0..v7 into a little-endian 32-bit word whose nibbles, from the low
   one up, hold v0, v2, v4, v6, v1, v3, v5, v7 (288 bytes). A layer's region of a block is
   [block_size rows of codes][block_size (scale, zero) pairs in the compute dtype] (pack_blocks).
@@ -111,7 +116,12 @@ def quantize_rows(rows: torch.Tensor, kv_format: str, *, kv_scale: Optional[floa
     lo, hi = x.amin(-1), x.amax(-1)
     scale, zero = _divide(hi - lo, top).to(scale_dtype), lo.to(scale_dtype)
     s, z = scale.float()[..., None], zero.float()[..., None]
-    codes = torch.where(s > 0, torch.round((x - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp(0, top).to(torch.uint8)
+    n, r = x - z, torch.ones_like(s) / s  # a tensor division: correctly rounded on every device
+    by_product = (r >= FLT_MIN) & torch.isfinite(r)
+    # n r is exact in float64 (24 + 24 significant bits), so its round is the once-rounded product's
+    product = torch.round(n.double() * torch.where(by_product, r, 0.0).double()).float()
+    quotient = torch.round(n / torch.where(s > 0, s, 1.0))
+    codes = torch.where(by_product, product, torch.where(s > 0, quotient, 0.0)).clamp(0, top).to(torch.uint8)
     if kv_format == "int4":
         codes = _pack_int4(codes)
     return codes, torch.stack([scale, zero], -1)
