@@ -115,11 +115,11 @@ struct Smem {
   static constexpr size_t kP = kQ + size_t(kBlocks) * N * arch::kSwizzleRowBytes;  // P^T, two per warpgroup
   static constexpr size_t kRing = kP + size_t(kGroups) * 2 * N * arch::kSwizzleRowBytes;  // (two per warpgroup)
   // the softmax's votes [kGroups][2][4], fp8_ds_mla's factors, colmax [kGroups][4][N], qsum / qbias [N]
-  // each, l / corr / psum [kGroups][4][N] each, m [kGroups][N], q exponent [N], kv limit [N], the tile's
+  // each, l / corr / psum [kGroups][4][N] each, m [kGroups][N], kv limit [N], the tile's
   // largest row scale [kGroups][4], score scale [N]
   static constexpr size_t kStatFloats = size_t(kGroups) * 8 + size_t(kGroups) * Format<F>::kFactorHalves / 2 +
                                         size_t(kGroups) * 4 * N + 2 * N + 3 * size_t(kGroups) * 4 * N + size_t(kGroups) * N +
-                                        2 * N + size_t(kGroups) * 4 + N;
+                                        N + size_t(kGroups) * 4 + N;
   static constexpr size_t kFixedBytes = kRing + kStatFloats * sizeof(float) + 8 + arch::kSwizzleAtomBytes;
   // Tile buffers of the ring: as many as fit beside the rest, up to four per warpgroup; at two
   // warpgroups an even number, so that a stage's tiles are one warpgroup's (at three, the tile loop's
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
   if constexpr (arch::target_supports<arch::Sm90>()) {
     using Fmt = Format<F>;
     using S = Smem<F, N>;
-    constexpr int kGroups = Groups<F, N>::kGroups, kMathThreads = Groups<F, N>::kMathThreads, kThreads = Groups<F, N>::kThreads;
+    constexpr int kGroups = Groups<F, N>::kGroups, kMathThreads = Groups<F, N>::kMathThreads;
     constexpr int kStages = S::kStages, kEpilogueBarrier = Groups<F, N>::kEpilogueBarrier;
     // Three warpgroups' registers (152) hold half the A fragments per commit group (kBatch wgmmas) and
     // no V bytes loaded a k step ahead; the other warpgroups' work hides those latencies instead.
@@ -368,8 +368,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     float* corr_s = l_s + kGroups * 4 * N;                         // [group][warp][N]
     float* psum_s = corr_s + kGroups * 4 * N;                      // [group][warp][N]
     float* m_s = psum_s + kGroups * 4 * N;                         // [group][N]
-    int* q_exp_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]
-    int* limit_s = q_exp_s + N;                                    // [N]: a column's kv positions end
+    int* limit_s = reinterpret_cast<int*>(m_s + kGroups * N);      // [N]: a column's kv positions end
     float* smax_s = reinterpret_cast<float*>(limit_s + N);         // [group][warp]
     // [N]: a column's score scale; its q row's power of two goes back in here (read per tile: a
     // register each was one too many at three warpgroups)
@@ -385,61 +384,91 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     if (tid < kStages) {
       arch::mbarrier_init(&full[tid], 33);  // the copy warp's lanes, and lane 0's byte count
       arch::mbarrier_init(&empty[tid], 128);
+      arch::fence_proxy_async();
     }
-    if (tid < N) limit_s[tid] = kv_limit(p, w, tid, rows_here);  // once: it takes a division
-    if constexpr (kScaledQ) {  // each q row's power of two (the top of the file)
-      for (int n = warp; n < N; n += kThreads / 32) {
-        const T* src = q_row<T>(p, w, n, rows_here);
-        float amax = 0.f;
-        if (src)
-          for (int k = lane; k < kRowDim; k += 32) amax = fmaxf(amax, fabsf(arch::to_float(src[k])));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        if (lane == 0) q_exp_s[n] = amax > 0.f && amax <= FLT_MAX ? ilogbf(amax) - 14 : 0;
-      }
-      __syncthreads();
-    }
-    // Q^T in the permuted feature order: thread unit (n, j, c) moves q[n][64 j + 16 c .. + 15].
-    for (int v = tid; v < N * kBlocks * 4; v += kThreads) {
-      const int n = v / (kBlocks * 4), j = (v / 4) % kBlocks, c = v % 4;
-      const T* src = q_row<T>(p, w, n, rows_here);
-      uint4 x[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      if (src) {
-        x[0] = *reinterpret_cast<const uint4*>(src + 64 * j + 16 * c);
-        x[1] = *reinterpret_cast<const uint4*>(src + 64 * j + 16 * c + 8);
-        if constexpr (kScaledQ) {
-          const float down = ldexpf(1.f, -q_exp_s[n]);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) x[h] = scaled_pairs<T, M>(x[h], down);
-        }
-      }
-      uint32_t words[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
-      if constexpr (F == KvFormat::kInt4) {  // odd words: the features of high nibbles, q / 16
-        const uint32_t sixteenth = 0x2C002C00u;
-#pragma unroll
-        for (int k = 1; k < 8; k += 2) words[k] = times_halves(words[k], sixteenth);
-      }
-      unsigned char* chunk = q_s + j * N * arch::kSwizzleRowBytes;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s) + 4 * c) = words[2 * s];
-        *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * s + 1) + 4 * c) = words[2 * s + 1];
-      }
-    }
-    const RowLayout& layout = rows.cache.row;
-    const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
-    if (tid < N) {
-      const float scale_log2 = p.softmax_scale * kLog2e * kv_scale;
-      score_scale_s[tid] = kScaledQ ? ldexpf(scale_log2, q_exp_s[tid]) : scale_log2;
-    }
-    arch::fence_proxy_async();
-    __syncthreads();  // Q^T and the mbarriers are ready
+    __syncthreads();  // the mbarriers are ready
+    // The copy warp starts on the tiles at once: the first ones land while the math warpgroups read
+    // q (two dependent trips to memory; they had delayed every CTA's first tile by as much).
     if (warp >= kMathThreads / 32) {
       arch::shrink_registers<Groups<F, N>::kCopyRegisters>();
       if (warp == kMathThreads / 32) copy_tiles<F, kStages>(rows, w, ring, full, empty, lane);
       return;
     }
     arch::grow_registers<Groups<F, N>::kMathRegisters>();
+    if (tid < N) limit_s[tid] = kv_limit(p, w, tid, rows_here);  // once: it takes a division
+    const RowLayout& layout = rows.cache.row;
+    const float kv_scale = F == KvFormat::kFp8 ? layout.kv_scale : 1.f;
+    // Q^T in the permuted feature order, in one trip to memory: a warp loads all of its rows first,
+    // lane l units l and l + 32 (l < 4) of each, unit 4 j + c being q[n][64 j + 16 c .. + 15]; then
+    // each row's power of two (the top of the file) from the row's values in the warp's registers.
+    constexpr int kMathWarps = kMathThreads / 32, kUnits = kBlocks * 4;
+    constexpr int kRowsPerWarp = (N + kMathWarps - 1) / kMathWarps;
+    static_assert(kUnits <= 64, "two units a lane");
+    uint4 qx[kRowsPerWarp][2][2];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int n = warp + i * kMathWarps;
+      const T* src = n < N ? q_row<T>(p, w, n, rows_here) : nullptr;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int unit = lane + 32 * h;
+        const bool here = src != nullptr && unit < kUnits;
+        qx[i][h][0] = here ? *reinterpret_cast<const uint4*>(src + 16 * unit) : make_uint4(0, 0, 0, 0);
+        qx[i][h][1] = here ? *reinterpret_cast<const uint4*>(src + 16 * unit + 8) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int n = warp + i * kMathWarps;
+      if (n >= N) break;  // warp-uniform
+      int q_exp = 0;
+      if constexpr (kScaledQ) {
+        float amax = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const uint32_t words[4] = {qx[i][h][k].x, qx[i][h][k].y, qx[i][h][k].z, qx[i][h][k].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const arch::Vec<T, 2> v = *reinterpret_cast<const arch::Vec<T, 2>*>(&words[e]);
+              amax = fmaxf(amax, fmaxf(fabsf(arch::to_float(v.v[0])), fabsf(arch::to_float(v.v[1]))));
+            }
+          }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        q_exp = amax > 0.f && amax <= FLT_MAX ? ilogbf(amax) - 14 : 0;
+      }
+      if (lane == 0) {
+        const float scale_log2 = p.softmax_scale * kLog2e * kv_scale;
+        score_scale_s[n] = kScaledQ ? ldexpf(scale_log2, q_exp) : scale_log2;
+      }
+      const float down = ldexpf(1.f, -q_exp);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int unit = lane + 32 * h, j = unit / 4, c = unit % 4;
+        if (unit >= kUnits) break;
+        uint4 x[2] = {qx[i][h][0], qx[i][h][1]};
+        if constexpr (kScaledQ) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) x[k] = scaled_pairs<T, M>(x[k], down);
+        }
+        uint32_t words[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+        if constexpr (F == KvFormat::kInt4) {  // odd words: the features of high nibbles, q / 16
+          const uint32_t sixteenth = 0x2C002C00u;
+#pragma unroll
+          for (int k = 1; k < 8; k += 2) words[k] = times_halves(words[k], sixteenth);
+        }
+        unsigned char* chunk = q_s + j * N * arch::kSwizzleRowBytes;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * t) + 4 * c) = words[2 * t];
+          *reinterpret_cast<uint32_t*>(chunk + arch::swizzled_offset(n, 2 * t + 1) + 4 * c) = words[2 * t + 1];
+        }
+      }
+    }
+    arch::fence_proxy_async();
+    arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);  // Q^T is ready
     if constexpr (kZeros) {  // the row sums of q as it enters the products, and of the biased features'
       for (int n = warp; n < N; n += kMathThreads / 32) {
         // the lane's pair is in 16-byte unit lane / 4 of the swizzled row: Q^T's word (lane / 4) ^ (n % 8),
