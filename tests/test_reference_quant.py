@@ -88,6 +88,42 @@ def test_fp8_ds_mla_row_bytes_by_hand():
     assert torch.equal(back[1, 128:256], torch.zeros(128))
 
 
+def _int_codes_by_hand(codes, kv_format):
+    """[rows, 576] int64 codes of int8 bytes, or of int4 words in TurboMind's nibble order, unpacked by
+    hand: a word's nibbles (low first) hold v0 v2 v4 v6 v1 v3 v5 v7."""
+    if kv_format == "int8":
+        return codes.long()
+    values = torch.empty(codes.shape[0], 576, dtype=torch.long)
+    for r in range(codes.shape[0]):
+        raw = bytes(codes[r].tolist())
+        for w in range(72):
+            (word,) = struct.unpack("<I", raw[4 * w:4 * w + 4])
+            for nibble, v in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                values[r, 8 * w + v] = (word >> (4 * nibble)) & 0xF
+    return values
+
+
+@pytest.mark.parametrize("kv_format,bits", [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize("num", [3, 25])  # scale num / 256: fl(1 / scale) above 1 / scale, and below it
+def test_int_codes_are_the_product_with_the_reciprocal(kv_format, bits, num):
+    """The spec's code is rint(n r) with r = fl(1 / scale), the exact product rounded once: an exact tie
+    of the quotient, n = (k + 1/2) scale, goes the way r leans (k + 1 above, k below), not to even."""
+    top = 2 ** bits - 1
+    scale = num / 256  # exact in fp16, as are top x scale and every (k + 1/2) scale in fp32
+    k = torch.arange(574) % top
+    rows = torch.cat([torch.tensor([0.0, top * scale]), (k + 0.5) * scale])[None]
+    codes, sz = Q.quantize_rows(rows, kv_format, scale_dtype=torch.float16)
+    assert float(sz[0, 0]) == scale and float(sz[0, 1]) == 0.0
+    r = torch.ones(()) / torch.tensor(scale)
+    leans_up = float(r.double()) * scale > 1.0  # exact in float64
+    assert leans_up == (num == 3)
+    values = _int_codes_by_hand(codes, kv_format)[0]
+    assert values[0] == 0 and values[1] == top
+    assert torch.equal(values[2:], k + 1 if leans_up else k)
+    # the quotient's ties to even would differ on half of them: the case tells the two specs apart
+    assert bool((values[2:] != torch.round(k + 0.5).long()).any())
+
+
 @pytest.mark.parametrize("kv_format,bits", [("int8", 8), ("int4", 4)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_int_rows_are_asymmetric_per_token_codes(kv_format, bits, dtype):
@@ -98,19 +134,12 @@ def test_int_rows_are_asymmetric_per_token_codes(kv_format, bits, dtype):
     top = 2 ** bits - 1
     scale = ((x.amax(-1) - x.amin(-1)) / top).to(dtype)
     assert torch.equal(sz[:, 0], scale) and torch.equal(sz[:, 1], x.amin(-1).to(dtype))
-    if kv_format == "int8":
-        values = codes.long()
-    else:  # TurboMind's nibble order, by hand: word nibbles (low first) hold v0 v2 v4 v6 v1 v3 v5 v7
-        values = torch.empty(6, 576, dtype=torch.long)
-        for r in range(6):
-            raw = bytes(codes[r].tolist())
-            for w in range(72):
-                (word,) = struct.unpack("<I", raw[4 * w:4 * w + 4])
-                for nibble, v in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-                    values[r, 8 * w + v] = (word >> (4 * nibble)) & 0xF
+    values = _int_codes_by_hand(codes, kv_format)
     assert int(values.max()) <= top and int(values.min()) >= 0
     s, z = sz[:, :1].float(), sz[:, 1:].float()
-    want = torch.where(s > 0, torch.round((x - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp(0, top)
+    # the product with the fp32 reciprocal, exact in float64, rounded once (half to even)
+    r = torch.ones_like(s) / torch.where(s > 0, s, 1.0)
+    want = torch.where(s > 0, torch.round((x - z).double() * r.double()).float(), 0.0).clamp(0, top)
     assert torch.equal(values.float(), want)
     assert bool((values[2] == 0).all())
     back = Q.dequantize_rows(codes, kv_format, scale_zero=sz)
