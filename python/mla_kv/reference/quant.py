@@ -14,13 +14,14 @@ it is stored, see layout.to_rope_first). ``layout.KV_FORMATS`` lists the formats
   code = round-half-to-even((x - zero) * r) saturated to [0, 2^bits - 1], r = 1 / scale in fp32 and
   the product exact (rounded once, to the code), computed from the stored (rounded) scale and zero so
   that x = code * scale + zero is what a reader gets. A product with the reciprocal, as TurboMind
-  quantizes (its is in 16-bit precision): one fma a value in the kernels. It differs from the quotient's
+  quantizes (in 16-bit precision there): one fma a value in the kernels. It differs from the quotient's
   code only within ~2^-16 of a half-integer; an exact tie of the quotient (x - zero = (k + 1/2) scale,
   frequent in 16-bit data) rounds as r's own rounding leans: up where fl(1 / scale) > 1 / scale.
   Where r is not a normal fp32 (a scale near the ends of fp32's range) the code is of the quotient
-  fl((x - zero) / scale); a row whose values are all equal (scale 0) stores code 0 everywhere. int8 codes are one byte each (576 bytes);
-  int4 packs 8 consecutive codes v0..v7 into a little-endian 32-bit word whose nibbles, from the low
-  one up, hold v0, v2, v4, v6, v1, v3, v5, v7 (288 bytes). A layer's region of a block is
+  fl((x - zero) / scale); a row whose values are all equal (scale 0) stores code 0 everywhere.
+  int8 codes are one byte each (576 bytes); int4 packs 8 consecutive codes v0..v7 into a
+  little-endian 32-bit word whose nibbles, from the low one up, hold v0, v2, v4, v6, v1, v3, v5, v7
+  (288 bytes). A layer's region of a block is
   [block_size rows of codes][block_size (scale, zero) pairs in the compute dtype] (pack_blocks).
 
 e4m3 is OCP FP8 E4M3 (torch.float8_e4m3fn): bias 7, no infinities, 0x7F / 0xFF NaN, largest 448.
