@@ -347,6 +347,11 @@ MUTATIONS = (
              "const bool here = src != nullptr && unit < kUnits;", "const bool here = src != nullptr && unit < 32;",
              T_QUANT_ATTENTION, "narrow kernel: Q^T's units 32-35 (q's rope features, a lane's second unit) left zero",
              focus="narrow"),
+    Mutation("narrow-q-power-latent-only", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
+             "amax = fmaxf(amax, fmaxf(fabsf(arch::to_float(v.v[0])), fabsf(arch::to_float(v.v[1]))));",
+             "if (h == 0) amax = fmaxf(amax, fmaxf(fabsf(arch::to_float(v.v[0])), fabsf(arch::to_float(v.v[1]))));",
+             T_QUANT_ATTENTION, "narrow kernel, bf16 q: a q row's power of two from its latent features alone (a "
+             "lane's first unit), so a row led by its rope part overflows fp16", focus="rope_part_leads"),
     Mutation("narrow-zero-score-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
              "if constexpr (kZeros) x = row_scale[h] * (x - qbias) + row_zero[h] * qsum;",
              "if constexpr (kZeros) x = row_scale[h] * (x - qbias);", T_QUANT_ATTENTION,

@@ -524,6 +524,23 @@ def test_decode_quantized_30_rows(kv_format, dtype, arch):
     run_decode_case(kv_format, dtype, "sq2-h15-bs64", "paged", arch)
 
 
+def plant_rope_led_queries(cache, q_full, form):
+    """Every other head's rope part (q_full features 544-607, the view's 512-575) times 2^8: those rows'
+    largest values are rope values, 2^8 above their latent ones, as a trained model's q_pe can be."""
+    q_full = q_full.clone()
+    q_full[:, :, 2::2, 32 + 512:32 + 576] *= 256
+    return cache, q_full
+
+
+@GPU
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_decode_bf16_query_whose_rope_part_leads(kv_format, arch):
+    """bf16 q rows led by their rope part (plant_rope_led_queries): the narrow kernel's power of two per
+    q row, which puts the row's largest value at 2^14 in fp16, must come from all 576 features; taken
+    from the latent alone it would put those rows' rope values near 2^22, past fp16's largest."""
+    run_decode_case(kv_format, torch.bfloat16, "sq1-h16-bs64", "paged", arch, plant=plant_rope_led_queries)
+
+
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("power", [24, -24])
