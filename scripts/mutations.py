@@ -145,9 +145,14 @@ MUTATIONS = (
              T_QUANT_WRITE, "int4 codes packed in the natural nibble order, not TurboMind's 0,2,4,6,1,3,5,7",
              focus="int4"),
     Mutation("quant-ds-mla-tile-scale", "write", WRITE_ARCHS, ("quantized", "plain write"), WRITE_CUH,
-             "scale[i] = fmaxf(group_max<16>(amax) / 448.f, kFltMin);",
-             "scale[i] = fmaxf(group_max<8>(amax) / 448.f, kFltMin);", T_QUANT_WRITE,
-             "fp8_ds_mla: each tile's scale from the amax of 64 of its 128 values", focus="ds_mla"),
+             "const uint32_t other = __shfl_xor_sync(0xffffffffu, both, o);",
+             "const uint32_t other = __shfl_xor_sync(0xffffffffu, both, o / 2);", T_QUANT_WRITE,
+             "fp8_ds_mla: each tile's scale from the amax of 64 of its 128 values (sm80+'s packed pairs)",
+             focus="ds_mla"),
+    Mutation("quant-ds-mla-scale-by-product", "write", WRITE_ARCHS, ("quantized", "plain write"), WRITE_CUH,
+             "const float exact = fmaf(fmaf(-q, 448.f, amax), kInv448, q);", "const float exact = q;",
+             T_QUANT_WRITE, "fp8_ds_mla: the tile scale amax x fl(1 / 448), not the quotient (an ulp off for "
+             "about half of the 16-bit amaxes)", focus="ds_mla"),
     Mutation("quant-fp8-product-trusted", "write", WRITE_ARCHS, ("quantized", "plain write"), WRITE_CUH,
              "if (near) for_vectors(", "if (false) for_vectors(", T_QUANT_WRITE,
              "fp8: the lower bracketing product's bytes kept where the bracket straddles a rounding boundary "

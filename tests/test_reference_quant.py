@@ -3,6 +3,7 @@ the formats' definitions (../shared/notes/facts.md): an e4m3 decoder from the bi
 assembled with struct, TurboMind's int4 nibble order written out, the int8 / int4 block trailer."""
 import math
 import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -101,6 +102,44 @@ def _int_codes_by_hand(codes, kv_format):
             for nibble, v in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
                 values[r, 8 * w + v] = (word >> (4 * nibble)) & 0xF
     return values
+
+
+def _round_fp32(x: Fraction) -> Fraction:
+    """x rounded to the nearest fp32 value (ties to even, subnormals included), exactly."""
+    if x < 0:
+        return -_round_fp32(-x)
+    if x == 0:
+        return x
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    ulp = Fraction(2) ** (max(e, -126) - 23)
+    n, rem = divmod(x, ulp)
+    n = int(n)
+    if rem > ulp / 2 or (rem == ulp / 2 and n % 2):
+        n += 1
+    return n * ulp
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ds_tile_scale_by_product_and_one_fma_step_is_the_quotient(dtype):
+    """The write kernel's fp8_ds_mla scale (write_kv.cuh e4m3_tile_scale): q = fl(a y), y = fl(1 / 448),
+    then fl(q + fl(a - 448 q) y) (two fmas), floored at FLT_MIN, equals the spec's
+    max(fl(a / 448), FLT_MIN) for every finite non-negative a of the dtype: checked in exact arithmetic."""
+    bits = torch.arange(0, 0x7C00 if dtype == torch.float16 else 0x7F80, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype).float().tolist()
+    y = _round_fp32(Fraction(1, 448))
+    floor = Fraction(Q.FLT_MIN)
+    assert float(y) == float(torch.ones(()) / 448)
+    mismatches = []
+    for a in map(Fraction, values):
+        q = _round_fp32(a * y)
+        fixed = _round_fp32(q + _round_fp32(a - 448 * q) * y)
+        if max(fixed, floor) != max(_round_fp32(a / 448), floor):
+            mismatches.append(float(a))
+    assert len(values) > 30000 and mismatches == []
+    # the product alone is not the quotient: the fma step is needed
+    assert any(max(_round_fp32(a * y), floor) != max(_round_fp32(a / 448), floor) for a in map(Fraction, values[:2000]))
 
 
 @pytest.mark.parametrize("kv_format,bits", [("int8", 8), ("int4", 4)])

@@ -92,10 +92,11 @@ template <class A, class T>
 __device__ __forceinline__ uint2 e4m3x8_divided(const arch::Vec<T, 8>& v, float s) {
   return e4m3x8<A>(v, [s](float x) { return x / s; });
 }
-// e4m3(v / s) of 8 values from products with r = fl(1 / s). Where r is exact (s a power of two, as
-// kv_scale 1 is: s r == 1), v r rounds once to fl(v / s), ties included. Else two products
-// v r (1 -+ 2^-20) lie on either side of fl(v / s) (their errors are 4 x 2^-24 at most), and e4m3
-// rounding is monotone, so equal bytes are the quotient's bytes; unequal ones set `near`.
+// e4m3(v / s) of 8 values from products with r ~ 1 / s (fl(1 / s), or rcp_approx's, within 2^-22).
+// Where r is exact (s a power of two, as kv_scale 1 is: s r == 1), v r rounds once to fl(v / s), ties
+// included. Else two products v r (1 -+ 2^-20) lie on either side of fl(v / s) (r's error, the
+// factor's rounding and the product's add up to 2^-22 + 2^-23 at most), and e4m3 rounding is
+// monotone, so equal bytes are the quotient's bytes; unequal ones set `near`.
 template <class A, class T>
 __device__ __forceinline__ uint2 e4m3x8_by_reciprocal(const arch::Vec<T, 8>& v, float r, bool exact, bool& near) {
   if (exact) return e4m3x8<A>(v, [r](float x) { return x * r; });
@@ -161,6 +162,56 @@ __device__ __forceinline__ float2 row_min_max(const arch::Vec<T, 8> (&lat)[2], c
   return make_float2(warp_min(lo), group_max<32>(hi));
 }
 
+// The absolute maxima of the lane's two latent vectors, each over its 16-lane half warp (fp8_ds_mla's
+// tiles 2 i + lane / 16), both in one shuffle chain: on sm80+ as a packed pair of T (the maxima of
+// values of T are values of T), else as fp32 pairs of chains interleaved.
+template <class A, class T>
+__device__ __forceinline__ float2 tile_amax(const arch::Vec<T, 8> (&lat)[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if constexpr (A::kMinCudaArch >= 800) {
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    uint32_t both = 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const T2* a = reinterpret_cast<const T2*>(&lat[i]);
+      T2 m = __hmax2(__hmax2(__habs2(a[0]), __habs2(a[1])), __hmax2(__habs2(a[2]), __habs2(a[3])));
+      m = __hmax2(m, __lowhigh2highlow(m));  // both halves hold the vector's maximum
+      both = __byte_perm(both, *reinterpret_cast<const uint32_t*>(&m), i == 0 ? 0x3254 : 0x5410);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, both, o);
+      const T2 m = __hmax2(*reinterpret_cast<const T2*>(&both), *reinterpret_cast<const T2*>(&other));
+      both = *reinterpret_cast<const uint32_t*>(&m);
+    }
+    const T2 m = *reinterpret_cast<const T2*>(&both);
+    return make_float2(arch::to_float(m.x), arch::to_float(m.y));
+  }
+#endif
+  float m[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m[i] = fmaxf(m[i], fabsf(arch::to_float(lat[i].v[k])));
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) {
+    m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], o));
+    m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], o));
+  }
+  return make_float2(m[0], m[1]);
+}
+
+// fp8_ds_mla's tile scale max(fl(amax / 448), FLT_MIN) of a 16-bit amax without a division (its
+// range check and branch): the product by fl(1 / 448) and one fma step on its residual give the
+// quotient for every finite non-negative half and bfloat16 (tests/test_reference_quant.py checks all
+// of them in exact arithmetic); inf and NaN take the product (inf, NaN, as the quotient).
+__device__ __forceinline__ float e4m3_tile_scale(float amax) {
+  constexpr float kInv448 = 1.f / 448.f;
+  const float q = amax * kInv448;
+  const float exact = fmaf(fmaf(-q, 448.f, amax), kInv448, q);
+  return fmaxf(amax < INFINITY ? exact : q, kFltMin);
+}
+
 // The quantized row of one token, from the values the 16-bit row would hold (rounded to T, as the
 // reference quantizes them): lat[i] holds latent values (i * 32 + lane) * 8 .. + 8, pe on lanes < 8
 // rope values lane * 8 .. + 8. Layouts: mla_kv/layout.h KvFormat and
@@ -197,19 +248,15 @@ __device__ __forceinline__ void store_quantized(const Rows& rows, const RowSlot&
       return;
     }
     case KvFormat::kFp8DsMla: {
-      // Latent first (checked on the host). Tile of vector i: 2 * i + lane / 16, so a tile's amax is
-      // a reduction over a half warp.
+      // Latent first (checked on the host). Tile of vector i: 2 * i + lane / 16 (tile_amax).
       constexpr int kScales = kLatentDim, kRope = kLatentDim + 16;
-      float scale[2];
+      const float2 amax = tile_amax<A>(lat);
+      const float scale[2] = {e4m3_tile_scale(amax.x), e4m3_tile_scale(amax.y)};
       uint2 w[2];
       bool near = false;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float amax = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(f(lat[i], k)));
-        scale[i] = fmaxf(group_max<16>(amax) / 448.f, kFltMin);
-        const float r = 1.f / scale[i];  // normal: scale is in [FLT_MIN, FLT_MAX / 448]
+        const float r = arch::rcp_approx(scale[i]);  // normal: scale is in [FLT_MIN, FLT_MAX / 448]
         w[i] = e4m3x8_by_reciprocal<A>(lat[i], r, exact_reciprocal(scale[i], r), near);
       }
       if (near) {
