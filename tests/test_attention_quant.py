@@ -330,9 +330,11 @@ def narrow_kernel(arch, rows, schedule):
             and (schedule is None or schedule.tile_loads == "auto"))
 
 
-def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
+def run_decode_case(kv_format, dtype, case, form, arch, plant=None, rounded_only=False):
     """The case's decode on every schedule; plant(cache, q_full, form) -> (cache, q_full) replaces its
-    cache or queries."""
+    cache or queries. rounded_only: the 64-row kernel's runs are checked against the reference over the
+    values rounded to q's dtype alone (what it computes), not also against the spec at the widened
+    tolerance, which is calibrated for the cases' logits."""
     c = DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
     rows = c["s_q"] * c["heads"]
@@ -360,6 +362,8 @@ def run_decode_case(kv_format, dtype, case, form, arch, plant=None):
             what += f" tile_loads={schedule.tile_loads}"
         if narrow_kernel(arch, rows, schedule):
             check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
+        elif rounded_only:
+            check_attention(out.cpu(), lse.cpu(), *refs[0], what)
         else:
             check_both(out.cpu(), lse.cpu(), refs, dtype, what)
     torch.cuda.synchronize()
@@ -533,12 +537,16 @@ def plant_rope_led_queries(cache, q_full, form):
 
 
 @GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # a parameter: the arch fixture skips sm75 / sm70 on it
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_decode_bf16_query_whose_rope_part_leads(kv_format, arch):
+def test_decode_bf16_query_whose_rope_part_leads(kv_format, dtype, arch):
     """bf16 q rows led by their rope part (plant_rope_led_queries): the narrow kernel's power of two per
     q row, which puts the row's largest value at 2^14 in fp16, must come from all 576 features; taken
-    from the latent alone it would put those rows' rope values near 2^22, past fp16's largest."""
-    run_decode_case(kv_format, torch.bfloat16, "sq1-h16-bs64", "paged", arch, plant=plant_rope_led_queries)
+    from the latent alone it would put those rows' rope values near 2^22, past fp16's largest. Those
+    rows' logits reach ~900: the 64-row kernel's int values, rounded to bf16 (2^-9), then miss the spec
+    by ~1.5 nats, so its runs are held to the rounded-values reference alone."""
+    run_decode_case(kv_format, dtype, "sq1-h16-bs64", "paged", arch, plant=plant_rope_led_queries,
+                    rounded_only=True)
 
 
 @GPU
