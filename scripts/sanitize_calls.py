@@ -128,6 +128,9 @@ def calls() -> List[Tuple[str, object]]:
     out += [(f"quantized/{fmt}/{arch or 'best'}/{dt}", QuantCase(kv_format=fmt, arch=arch, dtype=dt))
             for fmt in ("fp8", "fp8_ds_mla", "int8", "int4") for arch in (None, "sm70")
             for dt in ("float16",) + (("bfloat16",) if arch is None else ())]
+    # Hopper's copy warp on 64-row blocks: a tile a bulk copy of one block, the block table read a window ahead.
+    out += [(f"quantized/{fmt}/best/float16/bs64", QuantCase(kv_format=fmt, block_size=64, num_blocks=5))
+            for fmt in ("fp8", "fp8_ds_mla", "int8", "int4")]
     # The expanded-form kernel: both tags, every head-dim pair, 64- and 32-row CTAs (the T4's limits),
     # packed sequences with none / more queries than keys, padded rows and strided rows.
     for arch in ("sm70", "sm75"):

@@ -257,6 +257,66 @@ __device__ __forceinline__ uint32_t warp_total(uint32_t x) {
 #endif
 }
 
+// Lane src's pointer p.
+__device__ __forceinline__ const char* lane_pointer(const char* p, int src) {
+  const auto x = __shfl_sync(0xffffffffu, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)), src);
+  return reinterpret_cast<const char*>(static_cast<uintptr_t>(x));
+}
+
+// copy_tiles where every tile lies in one block (blocks of a multiple of kTokens rows back to back, the
+// CTA's range starting on a tile): a tile is one bulk copy of its rows (and one of its int pairs),
+// issued by lane 0. Its block's base comes from a window of 32 tiles' bases in the lanes' registers,
+// the next window read a window ahead. The general loop below took ~1.1 us a tile (a timeline probe
+// on the H200, int4 at B = 64 ctx 4K): its block-table read, issued after the previous tile's
+// copies and waited for at once, and some 150 dependent instructions of run bookkeeping; the math
+// warpgroups consume a tile per ~0.6 us, so they waited on landing tiles for a third of their loop
+// and the copy warp was never a stage ahead.
+template <KvFormat F, int kStages, class Rows>
+__device__ __forceinline__ void copy_block_tiles(const Rows& rows, const Work& w, int tiles, unsigned char* ring,
+                                                 uint64_t* full, uint64_t* empty, int lane) {
+  using Fmt = Format<F>;
+  auto tile_block = [&](int t) { return t < tiles ? rows.block_base(w.b, w.kv_lo + t * kTokens) : nullptr; };
+  const char* window = tile_block(lane);  // lane l: tile 32 i + l's block, i = t / 32
+  const char* ahead = tile_block(32 + lane);
+  for (int t = 0; t < tiles; ++t) {
+    if (t % 32 == 0 && t > 0) {
+      window = ahead;
+      ahead = tile_block(t + 32 + lane);
+    }
+    const char* base = lane_pointer(window, t % 32);
+    const int stage = t % kStages, use = t / kStages, first = w.kv_lo + t * kTokens;
+    const int n = min(kTokens, w.kv_hi - first);
+    unsigned char* dst = ring + stage * Fmt::kStageBytes;
+    unsigned char* dst_pairs = dst + kTokens * Fmt::kRowBytes;
+    const char* src = base ? rows.row_in_block(base, first) : nullptr;
+    const char* pairs = Fmt::kTrailer && base ? trailer_pair(rows, base, first) : nullptr;
+    const bool bulk = src != nullptr && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+    const bool bulk_pairs = pairs != nullptr && (reinterpret_cast<uintptr_t>(pairs) & 15) == 0 && n % 4 == 0;
+    if (use > 0) arch::mbarrier_wait(&empty[stage], (use - 1) & 1);
+    if (lane == 0) {
+      arch::mbarrier_arrive_expect(&full[stage], (bulk ? n * Fmt::kRowBytes : 0) + (bulk_pairs ? 4 * n : 0));
+      if (bulk) arch::bulk_load(dst, src, n * Fmt::kRowBytes, &full[stage]);
+      if (bulk_pairs) arch::bulk_load(dst_pairs, pairs, 4 * n, &full[stage]);
+    }
+    if (!bulk && src != nullptr) {  // a block not 16-byte aligned (block pointers): the warp copies
+      for (int b = lane; b < n * Fmt::kRowBytes; b += 32) dst[b] = static_cast<unsigned char>(src[b]);
+    } else if (src == nullptr) {  // in no block: zeros
+      for (int b = 16 * lane; b < n * Fmt::kRowBytes; b += 16 * 32) *reinterpret_cast<int4*>(dst + b) = make_int4(0, 0, 0, 0);
+    }
+    if constexpr (Fmt::kTrailer) {
+      if (!bulk_pairs)
+        for (int i = lane; i < n; i += 32)
+          reinterpret_cast<uint32_t*>(dst_pairs)[i] = pairs ? __ldg(reinterpret_cast<const unsigned*>(pairs) + i) : 0u;
+    }
+    for (int i = n + lane; i < kTokens; i += 32) {  // past kv_hi
+      for (int b = 0; b < Fmt::kRowBytes; b += 16)
+        *reinterpret_cast<int4*>(dst + i * Fmt::kRowBytes + b) = make_int4(0, 0, 0, 0);
+      if constexpr (Fmt::kTrailer) reinterpret_cast<uint32_t*>(dst_pairs)[i] = 0u;
+    }
+    arch::mbarrier_arrive(&full[stage]);
+  }
+}
+
 // The copy warp: tile t's rows into ring stage t % kStages once that stage's readers have freed it, in
 // tile order (the math warpgroups' barrier waits rely on it).
 // A tile's rows come in runs, one per lane: where a block's rows lie back to back (row stride = the
@@ -273,6 +333,10 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
   const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;
   const int per_block = rows.rows_per_block();
   const bool block_runs = rows.cache.row.row_stride_bytes == Fmt::kRowBytes && per_block >= 4;
+  if (block_runs && per_block % kTokens == 0 && w.kv_lo % kTokens == 0) {
+    copy_block_tiles<F, kStages>(rows, w, tiles, ring, full, empty, lane);
+    return;
+  }
   for (int t = 0; t < tiles; ++t) {
     const int stage = t % kStages, use = t / kStages, first = w.kv_lo + t * kTokens;
     const int end = min(first + kTokens, w.kv_hi);
