@@ -343,6 +343,14 @@ MUTATIONS = (
              "seesaw: warpgroup 0 re-reads its own max instead of warpgroup 1's (wrong after a score jump "
              "in a pair's second tile)", focus=RESCALE_FOCUS),
     # ------------------------------------------------------------------ Hopper narrow decode (every quantized format)
+    Mutation("narrow-copy-window-not-ahead", "attention", ("Sm90",), ("quantized", "decode", "paged table"), NARROW_CUH,
+             "ahead = tile_block(t + 32 + lane);", "ahead = tile_block(t + lane);", T_QUANT_ATTENTION,
+             "narrow kernel's copy warp, tiles in one block each: past 64 tiles the window holds the bases it "
+             "already used, so tiles 64 .. 95 are copied from the blocks of tiles 32 .. 63", focus="windows"),
+    Mutation("narrow-copy-block-of-tile-zero", "attention", ("Sm90",), ("quantized", "decode", "paged table"), NARROW_CUH,
+             "const char* base = lane_pointer(window, t % 32);", "const char* base = lane_pointer(window, 0);",
+             T_QUANT_ATTENTION, "narrow kernel's copy warp, tiles in one block each: every tile of a window read "
+             "from its first tile's block (rows at the right offsets, the wrong block)", focus="bs64 or windows"),
     Mutation("narrow-q-power-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
              "score_scale_s[n] = kScaledQ ? ldexpf(scale_log2, q_exp) : scale_log2;",
              "score_scale_s[n] = scale_log2;", T_QUANT_ATTENTION,

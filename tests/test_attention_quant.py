@@ -202,6 +202,10 @@ DECODE_CASES = {
     # (The cases above give a CTA at most 4 tiles, which no ring stage reuses.)
     "sq1-h16-long": dict(s_q=1, heads=16, block_size=64, lens=[3, 1500], shared=0, splits=1),
     "sq1-h20-long": dict(s_q=1, heads=20, block_size=64, lens=[1500, 70], shared=1, splits=1),
+    # 128-row blocks, one split over 71 and 33 tiles: the narrow kernel's copy warp takes a tile as one
+    # bulk copy of its block and holds the block bases of 32 tiles at a time, the next 32 read ahead;
+    # the longer sequence crosses two window ends, the other's last tile lies alone in its window.
+    "sq1-h20-bs128-windows": dict(s_q=1, heads=20, block_size=128, lens=[4500, 2100], shared=1, splits=1),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)
@@ -510,14 +514,15 @@ def test_decode_ds_mla_rope_sets_the_scale(dtype, case, arch):
 
 
 @GPU
-@pytest.mark.parametrize("case", ["sq1-h16-long", "sq1-h20-long"])
+@pytest.mark.parametrize("case", ["sq1-h16-long", "sq1-h20-long", "sq1-h20-bs128-windows"])
 @pytest.mark.parametrize("form", ["paged", "blocks"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_decode_quantized_long_context(kv_format, dtype, form, case, arch):
-    """24 tiles in one CTA (the forced one-split schedule): every stage of the narrow kernel's ring is
-    refilled while the other warpgroups still read theirs (a stage freed too early, or a warpgroup
-    passing its wait on a stage's previous phase, reads the next tile's bytes)."""
+    """24 tiles and more in one CTA (the forced one-split schedule): every stage of the narrow kernel's
+    ring is refilled while the other warpgroups still read theirs (a stage freed too early, or a
+    warpgroup passing its wait on a stage's previous phase, reads the next tile's bytes); past 32
+    tiles its copy warp's window of block bases is refilled."""
     run_decode_case(kv_format, dtype, case, form, arch)
 
 
