@@ -206,6 +206,11 @@ DECODE_CASES = {
     # bulk copy of its block and holds the block bases of 32 tiles at a time, the next 32 read ahead;
     # the longer sequence crosses two window ends, the other's last tile lies alone in its window.
     "sq1-h20-bs128-windows": dict(s_q=1, heads=20, block_size=128, lens=[4500, 2100], shared=1, splits=1),
+    # Even split counts: the narrow kernel runs clusters of two splits that merge their rows in the
+    # kernel. Two splits: the pair writes out / lse itself (no combine), for b = 0, 1 with an empty
+    # second split; six at N = 24: three merged pairs for the combine, some of them empty.
+    "sq1-h16-bs64-pairs": dict(s_q=1, heads=16, block_size=64, lens=[1, 64, 650], shared=0, splits=2),
+    "sq1-h20-bs32-pairs": dict(s_q=1, heads=20, block_size=32, lens=[33, 1, 333], shared=1, splits=6),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)
@@ -458,7 +463,7 @@ def plant_scale_rise(cache, q_full, form):
 
 
 @GPU
-@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq2-h7-bs32"])
+@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq2-h7-bs32", "sq1-h16-bs64-pairs", "sq1-h20-bs32-pairs"])
 @pytest.mark.parametrize("form", ["paged", "blocks"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -478,11 +483,12 @@ def test_decode_quantized_block_size_16(kv_format, dtype, arch):
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq1-h16-long"])
+@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq1-h16-long", "sq1-h16-bs64-pairs"])
 def test_decode_quantized_score_jumps(kv_format, dtype, case, arch):
     """Heads whose running max moves by ~40 nats in a late tile (and a sink): O, the row sum and the
     int formats' zero-point term must all be rescaled (random scores never move the max that far).
-    The long case's one split gives each warpgroup its jumps after tiles of its own."""
+    The long case's one split gives each warpgroup its jumps after tiles of its own; the pairs case's
+    two splits, merged in the kernel, meet with lse far apart."""
     run_decode_case(kv_format, dtype, case, "paged", arch, plant=plant_score_jumps)
 
 

@@ -174,6 +174,53 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 #endif
 }
 
+// Thread-block clusters: the CTA's rank and the cluster's size (1 where the launch named no cluster);
+// a barrier of every thread of the cluster (every one must take it: none may have exited), whose
+// release / acquire makes shared-memory writes before it visible to the other CTAs' reads after it;
+// loads from another CTA's shared memory at the address `p` has in this one.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t n = 1;
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if MLA_KV_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ uint32_t cluster_address(const void* p, uint32_t rank) {
+  uint32_t remote = 0;
+#if MLA_KV_HAS_WGMMA
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
+#endif
+  return remote;
+}
+__device__ __forceinline__ float4 load_cluster_shared_f4(const void* p, uint32_t rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if MLA_KV_HAS_WGMMA
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cluster_address(p, rank)) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ float load_cluster_shared_f32(const void* p, uint32_t rank) {
+  float v = 0.f;
+#if MLA_KV_HAS_WGMMA
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_address(p, rank)) : "memory");
+#endif
+  return v;
+}
+
 // D[64 x N] (fp32, registers) = A[64 x 16] . B[16 x N] (+ D when `accumulate`). A K-major, from
 // shared memory (a descriptor) or from registers (a[4]: the mma.sync m16n8k16 A fragment of the
 // warp's 16 rows); B from shared memory, K-major ([n][k] rows) or, kBMnMajor, MN-major ([k][n]).

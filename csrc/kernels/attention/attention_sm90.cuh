@@ -723,7 +723,9 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
     if (columns != 0) {
       st = columns == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, stream) : narrow::launch<T, Rows, F, 24>(p, rows, stream);
       if (st != Status::kOk) return st;
-      return launch_combine<T>(p, stream);
+      AttentionParams left = p;  // the splits that the kernel's pairs left
+      left.num_splits = narrow::combined_splits(p.num_splits);
+      return launch_combine<T>(left, stream);
     }
   }
   if constexpr (std::is_same_v<Rows, PagedTableRows> && F == KvFormat::kNone) {

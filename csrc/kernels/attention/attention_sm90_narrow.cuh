@@ -132,9 +132,12 @@ struct Smem {
   static constexpr size_t kStats = kRing + kRingBytes;  // floats
   static constexpr size_t kBarriers = (kStats + kStatFloats * sizeof(float) + 7) / 8 * 8;
   static constexpr size_t kBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
-  // The epilogue's [N][512] fp32 partials of warpgroups 1 .. kGroups - 1 lie over the ring.
+  // The epilogue's [N][512] fp32 partials of warpgroups 1 .. kGroups - 1 lie over the ring, and after
+  // them a pair launch's exchange: the CTA's [N][512] normalized rows and their [N] lse (merge_pair).
+  static constexpr size_t kMergeFloats = size_t(kGroups - 1) * N * kLatentDim;
+  static constexpr size_t kExchangeFloats = size_t(N) * kLatentDim + N;
   static_assert(kStages > kGroups, "a tile in flight per warpgroup and one landing");
-  static_assert(kRingBytes >= size_t(kGroups - 1) * N * kLatentDim * sizeof(float), "the merge buffers fit in the ring");
+  static_assert(kRingBytes >= (kMergeFloats + kExchangeFloats) * sizeof(float), "the merge and exchange buffers fit in the ring");
   static_assert(kBytes <= size_t(kSmemHopper.per_block), "Hopper's shared memory per CTA");
 };
 
@@ -400,6 +403,60 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
   }
 }
 
+// Even split counts launch clusters of two splits (launch), whose CTAs merge their states here rather
+// than leave both to the combine: each CTA has its N rows, normalized, and their lse in its shared
+// memory (`rows_s` [N][512], `lse_s` [N]); CTA rank r merges features [256 r, 256 r + 256) of every
+// row from both CTAs' and writes them, to out / lse where the pair is every split, else as split
+// blockIdx.y / 2 of num_splits / 2 in the workspace, which the combine then merges. A pair's merge
+// reads 16-24 KB of the other CTA's shared memory in 16-byte loads spread over every math thread, and
+// each CTA writes half the rows: the combine's launch, its pass and (at two splits) the fp32 partials'
+// round trip through memory are gone. (Earlier cluster merges, design-notes.md sessions 5-6, stored
+// every value remotely or had one CTA of the pair merge all rows; both were slower than the combine.)
+template <class T, int N>
+__device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work& w, int rows_here, const float* rows_s,
+                                           const float* lse_s, int tid, int threads) {
+  constexpr int kHalf = kLatentDim / 2, kChunks = kHalf / 4;  // a CTA's features of a row, in float4s
+  arch::cluster_sync();  // both CTAs' rows and lse are in their shared memory
+  const uint32_t rank = arch::cluster_rank(), other = rank ^ 1u;
+  const int splits = p.num_splits / 2;  // the merged splits left to the combine
+  const int64_t total_rows = p.total_q_tokens * p.num_heads;
+  for (int i = tid; i < rows_here * kChunks; i += threads) {
+    const int col = i / kChunks, feature = int(rank) * kHalf + 4 * (i % kChunks);
+    const float la = lse_s[col], lb = arch::load_cluster_shared_f32(lse_s + col, other);
+    const float4 a = *reinterpret_cast<const float4*>(rows_s + col * kLatentDim + feature);
+    const float4 b = arch::load_cluster_shared_f4(rows_s + col * kLatentDim + feature, other);
+    const float m = fmaxf(la, lb);
+    const float wa = m == -INFINITY ? 0.f : __expf(la - m), wb = m == -INFINITY ? 0.f : __expf(lb - m);
+    const float sum = wa + wb, inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float4 o = make_float4((wa * a.x + wb * b.x) * inv, (wa * a.y + wb * b.y) * inv, (wa * a.z + wb * b.z) * inv,
+                                 (wa * a.w + wb * b.w) * inv);
+    const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+    const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
+    const int64_t flat = (int64_t(w.b) * p.q_len + s) * p.num_heads + h;  // uniform batches (columns_for)
+    const bool writes_lse = rank == 0 && feature == 0;
+    if (splits > 1) {
+      float* parts = static_cast<float*>(p.workspace);
+      const int64_t at = int64_t(blockIdx.y / 2) * total_rows + flat;
+      *reinterpret_cast<float4*>(parts + at * kLatentDim + feature) = o;
+      if (writes_lse) parts[size_t(splits) * total_rows * kLatentDim + at] = lse;
+    } else {
+      T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b + int64_t(s) * p.out_stride_t +
+               int64_t(h) * p.out_stride_h + feature;
+      arch::Vec<T, 4> v;
+      v.v[0] = arch::from_float<T>(o.x);
+      v.v[1] = arch::from_float<T>(o.y);
+      v.v[2] = arch::from_float<T>(o.z);
+      v.v[3] = arch::from_float<T>(o.w);
+      arch::store<T, 4>(dst, v);
+      if (writes_lse) p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
+    }
+  }
+  arch::cluster_sync();  // the other CTA has read this one's rows: its shared memory may go
+}
+
+// The splits a launch leaves to the combine: pairs of them merge in the kernel (merge_pair).
+inline int combined_splits(int num_splits) { return num_splits % 2 == 0 ? num_splits / 2 : num_splits; }
+
 template <class T, class Rows, KvFormat F, int N>
 __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<arch::Sm90>()) {
@@ -453,9 +510,14 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     __syncthreads();  // the mbarriers are ready
     // The copy warp starts on the tiles at once: the first ones land while the math warpgroups read
     // q (two dependent trips to memory; they had delayed every CTA's first tile by as much).
+    const bool pair = arch::cluster_size() == 2;
     if (warp >= kMathThreads / 32) {
       arch::shrink_registers<Groups<F, N>::kCopyRegisters>();
       if (warp == kMathThreads / 32) copy_tiles<F, kStages>(rows, w, ring, full, empty, lane);
+      if (pair) {  // merge_pair's two cluster barriers, which every thread of the cluster takes
+        arch::cluster_sync();
+        arch::cluster_sync();
+      }
       return;
     }
     arch::grow_registers<Groups<F, N>::kMathRegisters>();
@@ -955,13 +1017,14 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
-    if (group > 0) return;
+    float* pair_rows = merge + S::kMergeFloats;  // [N][512], then [N] lse (merge_pair)
+    float* pair_lse = pair_rows + N * kLatentDim;
     const bool split = p.num_splits > 1;
     const int64_t total_rows = p.total_q_tokens * p.num_heads;
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       const int col = col_of(q);
-      if (col >= rows_here) continue;
+      if (group > 0 || col >= rows_here) continue;
       const float l = total_l[q];
       const float inv = l > 0.f ? kv_scale / l : 0.f;
       const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
@@ -987,7 +1050,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         o[4 * i + 3] = (unbiased(acc[2 * i + 1][hi] * factor[q] + b.w, true) + total_corr[q]) * inv;
       }
       if (split) {
-        float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
+        float* dst = pair ? pair_rows + col * kLatentDim + 16 * u
+                          : static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
 #pragma unroll
         for (int k = 0; k < 16; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(o[k], o[k + 1], o[k + 2], o[k + 3]);
       } else {
@@ -1003,7 +1067,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       }
       if (u == 0) {
         const float lse = l > 0.f ? (merged_max[q] - Fmt::kPShift + log2f(l)) * kLn2 : -INFINITY;
-        if (split) {
+        if (pair) {
+          pair_lse[col] = lse;
+        } else if (split) {
           float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
           ws_lse[blockIdx.y * total_rows + flat] = lse;
         } else {
@@ -1011,6 +1077,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         }
       }
     }
+    if (pair) merge_pair<T, N>(p, w, rows_here, pair_rows, pair_lse, tid, kMathThreads);
   } else {
     __trap();  // the host never launches a tag the compiled target cannot run
   }
@@ -1033,7 +1100,21 @@ Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
   const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
-  kernel<<<dim3(grid_x, p.num_splits), Groups<F, N>::kThreads, kBytes, stream>>>(p, rows);
+  // Even split counts: clusters of two splits of the same rows (merge_pair). Pairs keep one CTA on
+  // every SM (H200: 66 clusters of two resident, as many CTAs as without clusters; 4 or more fit 120).
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid_x, p.num_splits);
+  config.blockDim = dim3(Groups<F, N>::kThreads);
+  config.dynamicSmemBytes = kBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = 2;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = combined_splits(p.num_splits) != p.num_splits ? 1 : 0;
+  if (cudaLaunchKernelEx(&config, kernel, p, rows) != cudaSuccess) return Status::kCudaError;
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
