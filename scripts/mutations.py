@@ -354,15 +354,15 @@ MUTATIONS = (
     Mutation("narrow-pair-first-half-only", "attention", ("Sm90",), ("quantized", "decode", "split"), NARROW_CUH,
              "feature = int(rank) * kHalf + 4 * (i % kChunks);", "feature = 4 * (i % kChunks);", T_QUANT_ATTENTION,
              "narrow kernel, clusters of two splits: both CTAs merge and write features 0 .. 255, so features "
-             "256 .. 511 of out (or of the merged partial) are never written", focus="pairs"),
+             "256 .. 511 of out are never written", focus="pairs"),
     Mutation("narrow-pair-own-lse", "attention", ("Sm90",), ("quantized", "decode", "split", "lse"), NARROW_CUH,
              "lb = arch::load_cluster_shared_f32(lse_s + col, other);", "lb = la;", T_QUANT_ATTENTION,
              "narrow kernel, clusters of two splits: the other CTA's lse taken as this one's, so the two "
              "splits' rows are averaged instead of weighted by their softmax mass", focus="pairs"),
     Mutation("narrow-pair-combine-every-split", "combine", ("Sm90",), ("quantized", "decode", "split"), SM90_CUH,
              "left.num_splits = narrow::combined_splits(p.num_splits);", "left.num_splits = p.num_splits;",
-             T_QUANT_ATTENTION, "narrow kernel, clusters of two splits: the combine merges num_splits partials "
-             "where the pairs left half as many (the rest is the workspace's poison)", focus="pairs or bs16"),
+             T_QUANT_ATTENTION, "narrow kernel, clusters of two splits: the combine runs after the pair wrote "
+             "out, merging the two partials no CTA wrote (the workspace's poison) over it", focus="pairs"),
     Mutation("narrow-q-power-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
              "score_scale_s[n] = kScaledQ ? ldexpf(scale_log2, q_exp) : scale_log2;",
              "score_scale_s[n] = scale_log2;", T_QUANT_ATTENTION,

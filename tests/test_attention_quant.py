@@ -206,11 +206,11 @@ DECODE_CASES = {
     # bulk copy of its block and holds the block bases of 32 tiles at a time, the next 32 read ahead;
     # the longer sequence crosses two window ends, the other's last tile lies alone in its window.
     "sq1-h20-bs128-windows": dict(s_q=1, heads=20, block_size=128, lens=[4500, 2100], shared=1, splits=1),
-    # Even split counts: the narrow kernel runs clusters of two splits that merge their rows in the
-    # kernel. Two splits: the pair writes out / lse itself (no combine), for b = 0, 1 with an empty
-    # second split; six at N = 24: three merged pairs for the combine, some of them empty.
+    # Two splits: the narrow kernel runs each pair of CTAs of the same rows as a cluster that merges
+    # their rows and writes out / lse itself (no combine); at N = 16 and 24, with an empty second
+    # split (b = 0, 1), a split ending inside a tile and one inside a block of 32 rows.
     "sq1-h16-bs64-pairs": dict(s_q=1, heads=16, block_size=64, lens=[1, 64, 650], shared=0, splits=2),
-    "sq1-h20-bs32-pairs": dict(s_q=1, heads=20, block_size=32, lens=[33, 1, 333], shared=1, splits=6),
+    "sq1-h20-bs32-pairs": dict(s_q=1, heads=20, block_size=32, lens=[33, 1, 333], shared=1, splits=2),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)

@@ -403,23 +403,22 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
   }
 }
 
-// Even split counts launch clusters of two splits (launch), whose CTAs merge their states here rather
-// than leave both to the combine: each CTA has its N rows, normalized, and their lse in its shared
-// memory (`rows_s` [N][512], `lse_s` [N]); CTA rank r merges features [256 r, 256 r + 256) of every
-// row from both CTAs' and writes them, to out / lse where the pair is every split, else as split
-// blockIdx.y / 2 of num_splits / 2 in the workspace, which the combine then merges. A pair's merge
-// reads 16-24 KB of the other CTA's shared memory in 16-byte loads spread over every math thread, and
-// each CTA writes half the rows: the combine's launch, its pass and (at two splits) the fp32 partials'
-// round trip through memory are gone. (Earlier cluster merges, design-notes.md sessions 5-6, stored
-// every value remotely or had one CTA of the pair merge all rows; both were slower than the combine.)
+// A launch of two splits runs each CTA pair of the same rows as a cluster (launch), whose CTAs merge
+// their states here rather than leave them to the combine: each CTA has its N rows, normalized, and
+// their lse in its shared memory (`rows_s` [N][512], `lse_s` [N]); CTA rank r merges features
+// [256 r, 256 r + 256) of every row from both CTAs' and writes them to out, rank 0 the lse. The merge
+// reads 16-24 KB of the other CTA's shared memory in 16-byte loads spread over every math thread and
+// each CTA writes half the rows: the combine's launch and pass and the fp32 partials' round trip
+// through memory are gone (H100, B = 64 ctx 4K: 2-3.6 us of ~65 a call). More splits keep the
+// combine: there the pairs' merge (16 splits merged to 8) saved nothing (int4 B = 8 ctx 32K: +2 us).
+// (Earlier cluster merges, design-notes.md sessions 5-6, stored every value remotely or had one CTA
+// of the pair merge all rows; both were slower than the combine.)
 template <class T, int N>
 __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work& w, int rows_here, const float* rows_s,
                                            const float* lse_s, int tid, int threads) {
   constexpr int kHalf = kLatentDim / 2, kChunks = kHalf / 4;  // a CTA's features of a row, in float4s
   arch::cluster_sync();  // both CTAs' rows and lse are in their shared memory
   const uint32_t rank = arch::cluster_rank(), other = rank ^ 1u;
-  const int splits = p.num_splits / 2;  // the merged splits left to the combine
-  const int64_t total_rows = p.total_q_tokens * p.num_heads;
   for (int i = tid; i < rows_here * kChunks; i += threads) {
     const int col = i / kChunks, feature = int(rank) * kHalf + 4 * (i % kChunks);
     const float la = lse_s[col], lb = arch::load_cluster_shared_f32(lse_s + col, other);
@@ -432,30 +431,22 @@ __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work&
                                  (wa * a.w + wb * b.w) * inv);
     const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
     const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
-    const int64_t flat = (int64_t(w.b) * p.q_len + s) * p.num_heads + h;  // uniform batches (columns_for)
-    const bool writes_lse = rank == 0 && feature == 0;
-    if (splits > 1) {
-      float* parts = static_cast<float*>(p.workspace);
-      const int64_t at = int64_t(blockIdx.y / 2) * total_rows + flat;
-      *reinterpret_cast<float4*>(parts + at * kLatentDim + feature) = o;
-      if (writes_lse) parts[size_t(splits) * total_rows * kLatentDim + at] = lse;
-    } else {
-      T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b + int64_t(s) * p.out_stride_t +
-               int64_t(h) * p.out_stride_h + feature;
-      arch::Vec<T, 4> v;
-      v.v[0] = arch::from_float<T>(o.x);
-      v.v[1] = arch::from_float<T>(o.y);
-      v.v[2] = arch::from_float<T>(o.z);
-      v.v[3] = arch::from_float<T>(o.w);
-      arch::store<T, 4>(dst, v);
-      if (writes_lse) p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
-    }
+    T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b + int64_t(s) * p.out_stride_t +
+             int64_t(h) * p.out_stride_h + feature;
+    arch::Vec<T, 4> v;
+    v.v[0] = arch::from_float<T>(o.x);
+    v.v[1] = arch::from_float<T>(o.y);
+    v.v[2] = arch::from_float<T>(o.z);
+    v.v[3] = arch::from_float<T>(o.w);
+    arch::store<T, 4>(dst, v);
+    if (rank == 0 && feature == 0)
+      p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
   }
   arch::cluster_sync();  // the other CTA has read this one's rows: its shared memory may go
 }
 
-// The splits a launch leaves to the combine: pairs of them merge in the kernel (merge_pair).
-inline int combined_splits(int num_splits) { return num_splits % 2 == 0 ? num_splits / 2 : num_splits; }
+// The splits a launch leaves to the combine: a launch of two merges them in the kernel (merge_pair).
+inline int combined_splits(int num_splits) { return num_splits == 2 ? 1 : num_splits; }
 
 template <class T, class Rows, KvFormat F, int N>
 __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
@@ -1100,8 +1091,8 @@ Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
   const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
-  // Even split counts: clusters of two splits of the same rows (merge_pair). Pairs keep one CTA on
-  // every SM (H200: 66 clusters of two resident, as many CTAs as without clusters; 4 or more fit 120).
+  // Two splits: clusters of the two CTAs of the same rows (merge_pair). Pairs keep one CTA on every
+  // SM (H200: 66 clusters of two resident, as many CTAs as without clusters; 4 or more fit 120).
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid_x, p.num_splits);
   config.blockDim = dim3(Groups<F, N>::kThreads);
