@@ -448,7 +448,10 @@ __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work&
 // The splits a launch leaves to the combine: a launch of two merges them in the kernel (merge_pair).
 inline int combined_splits(int num_splits) { return num_splits == 2 ? 1 : num_splits; }
 
-template <class T, class Rows, KvFormat F, int N>
+// kPair: a launch of two splits as clusters of two CTAs (merge_pair). Its own instantiation: a runtime
+// flag changed the per-split kernel's code throughout (its tile loop rescheduled, the copy warp's loop
+// off the uniform datapath) and cost it 0.4-1.8 us a call (H100, B = 8 ctx 32K).
+template <class T, class Rows, KvFormat F, int N, bool kPair>
 __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_kernel(const AttentionParams p, const Rows rows) {
   if constexpr (arch::target_supports<arch::Sm90>()) {
     using Fmt = Format<F>;
@@ -501,11 +504,10 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     __syncthreads();  // the mbarriers are ready
     // The copy warp starts on the tiles at once: the first ones land while the math warpgroups read
     // q (two dependent trips to memory; they had delayed every CTA's first tile by as much).
-    const bool pair = arch::cluster_size() == 2;
     if (warp >= kMathThreads / 32) {
       arch::shrink_registers<Groups<F, N>::kCopyRegisters>();
       if (warp == kMathThreads / 32) copy_tiles<F, kStages>(rows, w, ring, full, empty, lane);
-      if (pair) {  // merge_pair's two cluster barriers, which every thread of the cluster takes
+      if constexpr (kPair) {  // merge_pair's two cluster barriers, which every thread of the cluster takes
         arch::cluster_sync();
         arch::cluster_sync();
       }
@@ -1008,6 +1010,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       }
     }
     arch::named_barrier_sync(kEpilogueBarrier, kMathThreads);
+    if (!kPair && group > 0) return;
     float* pair_rows = merge + S::kMergeFloats;  // [N][512], then [N] lse (merge_pair)
     float* pair_lse = pair_rows + N * kLatentDim;
     const bool split = p.num_splits > 1;
@@ -1015,7 +1018,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       const int col = col_of(q);
-      if (group > 0 || col >= rows_here) continue;
+      if ((kPair && group > 0) || col >= rows_here) continue;
       const float l = total_l[q];
       const float inv = l > 0.f ? kv_scale / l : 0.f;
       const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
@@ -1041,7 +1044,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         o[4 * i + 3] = (unbiased(acc[2 * i + 1][hi] * factor[q] + b.w, true) + total_corr[q]) * inv;
       }
       if (split) {
-        float* dst = pair ? pair_rows + col * kLatentDim + 16 * u
+        float* dst = kPair ? pair_rows + col * kLatentDim + 16 * u
                           : static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
 #pragma unroll
         for (int k = 0; k < 16; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(o[k], o[k + 1], o[k + 2], o[k + 3]);
@@ -1058,7 +1061,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       }
       if (u == 0) {
         const float lse = l > 0.f ? (merged_max[q] - Fmt::kPShift + log2f(l)) * kLn2 : -INFINITY;
-        if (pair) {
+        if (kPair) {
           pair_lse[col] = lse;
         } else if (split) {
           float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
@@ -1068,7 +1071,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         }
       }
     }
-    if (pair) merge_pair<T, N>(p, w, rows_here, pair_rows, pair_lse, tid, kMathThreads);
+    if constexpr (kPair) merge_pair<T, N>(p, w, rows_here, pair_rows, pair_lse, tid, kMathThreads);
   } else {
     __trap();  // the host never launches a tag the compiled target cannot run
   }
@@ -1086,7 +1089,8 @@ inline int columns_for(const AttentionParams& p) {
 
 template <class T, class Rows, KvFormat F, int N>
 Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
-  const auto kernel = attention_narrow_kernel<T, Rows, F, N>;
+  const bool pair = combined_splits(p.num_splits) != p.num_splits;
+  const auto kernel = pair ? attention_narrow_kernel<T, Rows, F, N, true> : attention_narrow_kernel<T, Rows, F, N, false>;
   constexpr int kBytes = int(Smem<F, N>::kBytes);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
@@ -1104,7 +1108,7 @@ Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
   cluster.val.clusterDim.y = 2;
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
-  config.numAttrs = combined_splits(p.num_splits) != p.num_splits ? 1 : 0;
+  config.numAttrs = pair ? 1 : 0;
   if (cudaLaunchKernelEx(&config, kernel, p, rows) != cudaSuccess) return Status::kCudaError;
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
