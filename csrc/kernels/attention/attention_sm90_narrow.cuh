@@ -409,8 +409,8 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
 // [256 r, 256 r + 256) of every row from both CTAs' and writes them to out, rank 0 the lse. The merge
 // reads 16-24 KB of the other CTA's shared memory in 16-byte loads spread over every math thread and
 // each CTA writes half the rows: the combine's launch and pass and the fp32 partials' round trip
-// through memory are gone (H100, B = 64 ctx 4K: 2-3.6 us of ~65 a call). More splits keep the
-// combine: there the pairs' merge (16 splits merged to 8) saved nothing (int4 B = 8 ctx 32K: +2 us).
+// through memory are gone (H100, B = 64 ctx 4K: 1.4-3.2 us of ~65 a call). More splits keep the
+// combine: pairing 16 splits (the combine then merging 8) gained nothing at B = 8 ctx 32K.
 // (Earlier cluster merges, design-notes.md sessions 5-6, stored every value remotely or had one CTA
 // of the pair merge all rows; both were slower than the combine.)
 template <class T, int N>
