@@ -424,12 +424,10 @@ __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work&
     const float la = lse_s[col], lb = arch::load_cluster_shared_f32(lse_s + col, other);
     const float4 a = *reinterpret_cast<const float4*>(rows_s + col * kLatentDim + feature);
     const float4 b = arch::load_cluster_shared_f4(rows_s + col * kLatentDim + feature, other);
-    const float m = fmaxf(la, lb);
-    const float wa = m == -INFINITY ? 0.f : __expf(la - m), wb = m == -INFINITY ? 0.f : __expf(lb - m);
-    const float sum = wa + wb, inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float4 o = make_float4((wa * a.x + wb * b.x) * inv, (wa * a.y + wb * b.y) * inv, (wa * a.z + wb * b.z) * inv,
-                                 (wa * a.w + wb * b.w) * inv);
-    const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+    const StateWeights wt = merge_weights(la, lb);
+    const float4 o = make_float4((wt.a * a.x + wt.b * b.x) * wt.inv, (wt.a * a.y + wt.b * b.y) * wt.inv,
+                                 (wt.a * a.z + wt.b * b.z) * wt.inv, (wt.a * a.w + wt.b * b.w) * wt.inv);
+    const float lse = wt.lse();  // for every element: behind the lse write's branch, nvcc rescheduled the kernel
     const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
     T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b + int64_t(s) * p.out_stride_t +
              int64_t(h) * p.out_stride_h + feature;

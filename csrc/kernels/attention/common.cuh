@@ -88,6 +88,20 @@ __device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
   return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);
 }
 
+// Two attention states over disjoint key sets, merged by their lse (natural log): each state's weight
+// before the division by their sum, 1 / that sum, and (on demand) the merged lse. Both empty (lse
+// -inf): weights 0 and lse -inf, never NaN.
+struct StateWeights {
+  float m, a, b, sum, inv;
+  __device__ __forceinline__ float lse() const { return sum > 0.f ? m + logf(sum) : -INFINITY; }
+};
+__device__ __forceinline__ StateWeights merge_weights(float lse_a, float lse_b) {
+  const float m = fmaxf(lse_a, lse_b);
+  const float wa = m == -INFINITY ? 0.f : __expf(lse_a - m), wb = m == -INFINITY ? 0.f : __expf(lse_b - m);
+  const float sum = wa + wb;
+  return {m, wa, wb, sum, sum > 0.f ? 1.f / sum : 0.f};
+}
+
 // The CTA's query row r (nullptr past the sequence's last row, rows_here).
 template <class T>
 __device__ __forceinline__ const T* q_row(const AttentionParams& p, const Work& w, int r, int rows_here) {

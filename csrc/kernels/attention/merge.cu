@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 
 #include "../arch/arch.cuh"
+#include "common.cuh"
 #include "mla_kv/merge.h"
 
 namespace mla_kv {
@@ -15,20 +16,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) merge_states_kernel(const 
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   if (r >= p.num_rows) return;
   const int lane = threadIdx.x & 31;
-  const float la = p.lse_a[r], lb = p.lse_b[r];
-  const float m = fmaxf(la, lb);
-  // Both empty: out 0 and lse -inf, never NaN.
-  const float wa = m == -INFINITY ? 0.f : __expf(la - m), wb = m == -INFINITY ? 0.f : __expf(lb - m);
-  const float denom = wa + wb, inv = denom > 0.f ? 1.f / denom : 0.f;
+  const attention_detail::StateWeights w = attention_detail::merge_weights(p.lse_a[r], p.lse_b[r]);
   const T* a = static_cast<const T*>(p.out_a) + r * p.out_a_stride;
   const T* b = static_cast<const T*>(p.out_b) + r * p.out_b_stride;
   T* o = static_cast<T*>(p.out) + r * p.out_stride;
   for (int c = lane; c < p.dim; c += 32) {
-    const float va = wa > 0.f ? arch::to_float(a[c]) * wa : 0.f;
-    const float vb = wb > 0.f ? arch::to_float(b[c]) * wb : 0.f;
-    o[c] = arch::from_float<T>((va + vb) * inv);
+    const float va = w.a > 0.f ? arch::to_float(a[c]) * w.a : 0.f;
+    const float vb = w.b > 0.f ? arch::to_float(b[c]) * w.b : 0.f;
+    o[c] = arch::from_float<T>((va + vb) * w.inv);
   }
-  if (lane == 0 && p.lse != nullptr) p.lse[r] = denom > 0.f ? m + logf(denom) : -INFINITY;
+  if (lane == 0 && p.lse != nullptr) p.lse[r] = w.lse();
 }
 
 }  // namespace
