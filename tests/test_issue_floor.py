@@ -1,0 +1,123 @@
+"""scripts/issue-floor, checked without a GPU or a disassembler: on SASS listings built here in
+cuobjdump's format, it must find the tile loop (the shortest loop holding every wgmma), leave out the
+block the softmax's vote branch skips, count the rest, and refuse what it cannot count."""
+import pytest
+
+from scripts_loader import load_script
+
+FLOOR = load_script("issue-floor", "mla_kv_issue_floor")
+
+NARROW_INT4_N24 = ("_ZN6mla_kv16attention_detail6narrow23attention_narrow_kernelI13__nv_bfloat16NS_14PagedTableRows"
+                   "ELNS_8KvFormatE4ELi24ELb0EEEvNS_15AttentionParamsET0_")
+
+
+class Listing:
+    """A kernel's SASS in cuobjdump -sass's layout; labels stand for addresses until rendered."""
+
+    def __init__(self):
+        self.lines = []  # (label or None, text with {label} references)
+
+    def add(self, text, label=None, times=1):
+        for _ in range(times):
+            self.lines.append((label, text))
+            label = None
+        return self
+
+    def render(self, name):
+        address = {label: 16 * i for i, (label, _) in enumerate(self.lines) if label}
+        out = [f"\t\tFunction : {name}", "\t.headerflags\t@\"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)\""]
+        for i, (_, text) in enumerate(self.lines):
+            text = text.format(**{k: f"{v:#x}" for k, v in address.items()})
+            out.append(f"        /*{16 * i:04x}*/                   {text} ;   /* 0x000fe20000000f00 */")
+        return "\n".join(out) + "\n"
+
+
+def narrow_like(body_before_vote=40, vote_block=25, after_vote=30, skip=3):
+    """prologue, then the tile loop: a wait branching out of line, wgmmas, the vote and its block, a
+    short forward skip, more wgmmas, the backward branch; then the out-of-line wait and the epilogue."""
+    s = Listing()
+    s.add("MOV R1, c[0x0][0x28]").add("S2R R0, SR_TID.X").add("ISETP.GE.AND P0, PT, R0, 0x1, PT")
+    s.add("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR18], R8", label="loop")
+    s.add("@!P0 BRA {wait}")
+    s.add("LOP3.LUT R2, R3, 0xf000f, RZ, 0xc0, !PT", times=body_before_vote // 2)
+    s.add("HGMMA.64x24x16.F32 R24, R88, gdesc[UR4], R24, gsb0")
+    s.add("FMUL R4, R4, R5", times=body_before_vote - body_before_vote // 2 - 1)
+    s.add("VOTE.ANY P0, P0").add("BAR.SYNC.DEFER_BLOCKING R162, 0x80").add("@!P0 BRA {after_vote}")
+    s.add("FMUL R6, R6, R7", times=vote_block)
+    s.add("@P1 BRA {after_skip}", label="after_vote")
+    s.add("NOP", times=skip)
+    s.add("HGMMA.64x24x16.F32 R24, R88, gdesc[UR8], R24, gsb0", label="after_skip")
+    s.add("IMAD R9, R9, 0x2, R10", times=after_vote)
+    s.add("@!P0 BRA {loop}")
+    s.add("STS [R2], R4", label="epilogue").add("EXIT")
+    s.add("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR18], R8", label="wait")
+    s.add("@!P0 BRA {wait}")
+    s.add("BRA {loop}")  # back into the loop: longer than the loop itself, never chosen
+    return s
+
+
+def test_counts_the_common_path_of_the_tile_loop():
+    kernels = FLOOR.parse_sass(narrow_like().render(NARROW_INT4_N24))
+    loop = FLOOR.find_tile_loop(kernels[NARROW_INT4_N24])
+    # loop: TRYWAIT, BRA, 20 LOP3, HGMMA, 19 FMUL, VOTE, BAR, BRA, 25 FMUL, BRA, 3 NOP, HGMMA, 30 IMAD, BRA
+    assert loop.length == 2 + 40 + 3 + 25 + 1 + 3 + 1 + 30 + 1
+    assert loop.vote_length == 25
+    assert loop.common_path == loop.length - 25
+    assert loop.skippable == 3
+    assert loop.mix == {"convert/bitwise": 20, "fp32": 19, "integer": 30, "mma": 2, "control": 10}
+    assert sum(loop.mix.values()) == loop.common_path
+
+
+def test_report_floor_and_label():
+    text = narrow_like(body_before_vote=60, vote_block=10, after_vote=80).render(NARROW_INT4_N24)
+    (row,) = FLOOR.report(FLOOR.parse_sass(text), FLOOR.DEFAULT_KERNEL, clock_ghz=2.0)
+    assert row["label"] == "int4 N=24"
+    assert row["vote_block"] == 10
+    assert row["floor_us"] == pytest.approx(row["common_path"] / 2000.0)
+    assert FLOOR.report(FLOOR.parse_sass(text), "no_such_kernel", 1.78) == []
+
+
+def test_a_kernel_without_a_vote_counts_its_whole_loop():
+    s = Listing()
+    s.add("MOV R1, R2").add("HGMMA.64x64x16.F32 R24, R88, gdesc[UR4], R24", label="loop")
+    s.add("FFMA R1, R2, R3, R4", times=7).add("@P0 BRA {loop}").add("EXIT")
+    loop = FLOOR.find_tile_loop(FLOOR.parse_sass(s.render("k"))["k"])
+    assert (loop.length, loop.vote_length, loop.common_path) == (9, 0, 9)
+
+
+def test_integer_and_fp8_wgmmas_count_as_wgmmas():
+    s = Listing()
+    s.add("MOV R1, R2").add("IGMMA.64x24x32.U8.S8 R24, R36, gdesc[UR4], RZ, !UPT, gsb0", label="loop")
+    s.add("QGMMA.64x24x32.F32.E4M3.E4M3 R24, R36, gdesc[UR4], R24, gsb0").add("@P0 BRA {loop}")
+    loop = FLOOR.find_tile_loop(FLOOR.parse_sass(s.render("k"))["k"])
+    assert (loop.length, loop.mix) == (3, {"mma": 2, "control": 1})
+
+
+def test_the_shortest_loop_holding_every_wgmma_is_chosen():
+    s = Listing()
+    s.add("MOV R1, R2", label="outer")
+    s.add("HGMMA.64x64x16.F32 R24, R88, gdesc[UR4], R24", label="tile")
+    s.add("FADD R1, R2, R3", times=5).add("HGMMA.64x64x16.F32 R24, R88, gdesc[UR4], R24")
+    s.add("@P0 BRA {tile}").add("IADD3 R1, R2, R3, RZ").add("@P1 BRA {outer}").add("EXIT")
+    loop = FLOOR.find_tile_loop(FLOOR.parse_sass(s.render("k"))["k"])
+    assert loop.length == 8
+
+
+def test_refuses_what_it_cannot_count():
+    no_mma = Listing().add("MOV R1, R2", label="l").add("@P0 BRA {l}").render("k")
+    with pytest.raises(FLOOR.LoopError, match="no wgmma"):
+        FLOOR.find_tile_loop(FLOOR.parse_sass(no_mma)["k"])
+    outside = Listing().add("MOV R1, R2", label="l").add("@P0 BRA {l}").add("HGMMA.64x64x16.F32 R24, R88, gdesc[UR4], R24")
+    with pytest.raises(FLOOR.LoopError, match="no loop holds"):
+        FLOOR.find_tile_loop(FLOOR.parse_sass(outside.render("k"))["k"])
+    inner = Listing().add("HGMMA.64x64x16.F32 R24, R88, gdesc[UR4], R24", label="l")
+    inner.add("MOV R1, R2", label="i").add("@P1 BRA {i}").add("@P0 BRA {l}")
+    with pytest.raises(FLOOR.LoopError, match="inner loop"):
+        FLOOR.find_tile_loop(FLOOR.parse_sass(inner.render("k"))["k"])
+
+
+def test_bad_arguments_exit_2():
+    for argv in (["--clock-ghz", "0"], ["--kernel", "("], ["--cubin", "a", "--source", "b"]):
+        with pytest.raises(SystemExit) as e:
+            FLOOR.main(argv)
+        assert e.value.code == 2
