@@ -1,6 +1,10 @@
 """scripts/issue-floor, checked without a GPU or a disassembler: on SASS listings built here in
-cuobjdump's format, it must find the tile loop (the shortest loop holding every wgmma), leave out the
-block the softmax's vote branch skips, count the rest, and refuse what it cannot count."""
+cuobjdump's and nvdisasm's formats, it must find the tile loop (the shortest loop holding every mma,
+not a diverged warp's detour), leave out the block the softmax's vote branch skips, count the rest,
+apply the V100 model to the counts, and refuse what it cannot count."""
+import struct
+from types import SimpleNamespace
+
 import pytest
 
 from scripts_loader import load_script
@@ -70,7 +74,7 @@ def test_counts_the_common_path_of_the_tile_loop():
 
 def test_report_floor_and_label():
     text = narrow_like(body_before_vote=60, vote_block=10, after_vote=80).render(NARROW_INT4_N24)
-    (row,) = FLOOR.report(FLOOR.parse_sass(text), FLOOR.DEFAULT_KERNEL, clock_ghz=2.0)
+    (row,) = FLOOR.report(FLOOR.parse_sass(text), FLOOR.DEFAULTS[90][1], clock_ghz=2.0)
     assert row["label"] == "int4 N=24"
     assert row["vote_block"] == 10
     assert row["floor_us"] == pytest.approx(row["common_path"] / 2000.0)
@@ -117,7 +121,99 @@ def test_refuses_what_it_cannot_count():
 
 
 def test_bad_arguments_exit_2():
-    for argv in (["--clock-ghz", "0"], ["--kernel", "("], ["--cubin", "a", "--source", "b"]):
+    for argv in (["--clock-ghz", "0"], ["--kernel", "("], ["--cubin", "a", "--source", "b"], ["--arch", "80"]):
         with pytest.raises(SystemExit) as e:
             FLOOR.main(argv)
         assert e.value.code == 2
+
+
+SM70_INT8 = "_ZN6mla_kv16attention_detail16attention_kernelINS_4arch4Sm70E6__halfLi1ENS_14PagedTableRowsELNS_8KvFormatE3EEEvNS_15AttentionParamsET2_"
+SM70_16BIT = SM70_INT8.replace("KvFormatE3E", "KvFormatE0E")
+
+
+def nvdisasm_listing(name, lines):
+    """nvdisasm -c's layout: a section header, label lines, and branch operands naming labels."""
+    out = [f"//--------------------- .text.{name} --------------------------", f"\t.section\t.text.{name},\"ax\",@progbits"]
+    address = 0
+    for line in lines:
+        if line.endswith(":"):
+            out.append(line)
+            continue
+        out.append(f"        /*{address:04x}*/                   {line} ;")
+        address += 16
+    return "\n".join(out) + "\n"
+
+
+def sm70_like(name, body):
+    """clang's sm_70 shape: the loop entered at the tile's dequantization with a uniform back edge
+    (BRA.U), and a diverged warp's shuffle detour (BRA.DIV) that jumps back into the loop's middle:
+    a shorter backward branch holding every HMMA, which is no tile loop."""
+    return nvdisasm_listing(name, [
+        "MOV R1, c[0x0][0x28]",
+        ".L_x_0:", *body,
+        "BRA.DIV `(.L_x_2)",
+        ".L_x_1:", "SHFL.IDX PT, R3, R4, R5, R6", "HMMA.884.F32.F32.STEP0 R8, R10.ROW, R12.COL, R8",
+        "HMMA.884.F32.F32.STEP1 R10, R10.ROW, R12.COL, R10", "@P0 BRA `(.L_x_3)",
+        "VOTE.ANY R7, PT, PT", "BRA.U `(.L_x_0)",
+        ".L_x_3:", "EXIT",
+        ".L_x_2:", "WARPSYNC 0xffffffff", "SHFL.IDX PT, R3, R4, R5, R6", "BRA `(.L_x_1)",
+    ])
+
+
+def test_nvdisasm_labels_become_addresses_and_guards_are_kept():
+    kernels = FLOOR.parse_nvdisasm(sm70_like("k", ["FMUL R1, R2, R3"]))
+    ins = kernels["k"]
+    assert [x.opcode for x in ins][:3] == ["MOV", "FMUL", "BRA"]
+    assert ins[2].branch_target() == ins[-3].address  # BRA.DIV -> .L_x_2 (WARPSYNC)
+    assert ins[-1].branch_target() == ins[3].address  # the detour's return -> .L_x_1 (SHFL)
+    assert ins[6].guard == "@P0" and ins[6].branch_target() == ins[9].address
+
+
+def test_a_diverged_warps_detour_is_no_tile_loop():
+    body = ["LDG.E.64.SYS R20, [R2]", "F2F.F16.F32 R4, R5", "STS.128 [R6], R20"] * 2
+    ins = FLOOR.parse_nvdisasm(sm70_like("k", body))["k"]
+    loop = FLOOR.find_tile_loop(ins, vote=False)
+    # .L_x_0 .. BRA.U (13 instructions), not the shorter .L_x_1 .. the detour's BRA (10)
+    assert (loop.first, loop.last) == (1, 13)
+
+
+def test_v100_model_counts_each_pipe():
+    body = ["LDS.U.128 R20, [R2]"] * 10 + ["STS [R6], R20"] * 5 + ["LDG.E.64.SYS R20, [R2]"] * 3 + \
+           ["F2F.F16.F32 R4, R5"] * 6 + ["IMAD R1, R2, R3, R4"] * 20
+    ins = FLOOR.parse_nvdisasm(sm70_like(SM70_INT8, body))[SM70_INT8]
+    loop = FLOOR.find_tile_loop(ins, vote=False)
+    m = FLOOR.v100_model(ins, loop, clock_ghz=1.0, row_bytes=580)
+    assert m["instructions"] == len(body) + 7  # BRA.DIV, SHFL, 2 HMMA, BRA, VOTE, BRA.U
+    assert m["mio_units"] == 10 * 4 + 5 * 1 + 3 * 2
+    assert (m["hmma_steps"], m["f2f"]) == (2, 6)
+    cycles = {"issue": 2 * m["instructions"], "mio": 8 * m["mio_units"], "hmma": 2 * 2 * 2, "f2f": 2 * 8 * 6}
+    for pipe, c in cycles.items():
+        assert m["us"][pipe] == pytest.approx(c / 1e3)
+    assert m["us"]["memory"] == pytest.approx(32 * 580 * 64 / 900e3)
+    assert m["binding"] == max(m["us"], key=m["us"].get) and m["tile_us"] == max(m["us"].values())
+    assert m["gbs"] == pytest.approx(32 * 580 * 64 / (m["tile_us"] * 1e3))
+
+
+def test_v100_report_labels_and_ratio_to_the_16_bit_kernel():
+    text = sm70_like(SM70_16BIT, ["LDS.U.128 R20, [R2]"] * 40) + sm70_like(SM70_INT8, ["F2F.F16.F32 R4, R5"] * 200)
+    rows = FLOOR.report_v100(FLOOR.parse_nvdisasm(text), FLOOR.DEFAULTS[70][1], 1.53)
+    labels = [r["label"] for r in rows]
+    assert labels == ["16-bit, 32-row CTA", "int8, 32-row CTA"]
+    base, int8 = rows
+    assert base["vs_16bit"] == pytest.approx(1.0)
+    assert int8["vs_16bit"] == pytest.approx(base["tile_us"] / int8["tile_us"])
+    assert int8["binding"] == "f2f"
+
+
+@pytest.mark.parametrize("abi, shift", [(0x41, 8), (0x33, 0)])
+def test_sm70_cubin_is_relabelled_sm75_for_the_decoder(abi, shift):
+    gate = SimpleNamespace(ELFOSABI_CUDA_V8=0x41)
+    header = bytearray(64)
+    header[:4], header[7] = b"\x7fELF", abi
+    struct.pack_into("<I", header, 48, (0x123400 & ~(0xFF << shift)) | (70 << shift))
+    (flags,) = struct.unpack_from("<I", FLOOR.as_sm75(bytes(header), gate), 48)
+    assert (flags >> shift) & 0xFF == 75
+    assert flags & ~(0xFF << shift) == 0x123400 & ~(0xFF << shift)
+    struct.pack_into("<I", header, 48, 80 << shift)
+    with pytest.raises(FLOOR.LoopError, match="sm_80"):
+        FLOOR.as_sm75(bytes(header), gate)
