@@ -78,6 +78,8 @@ def test_report_floor_and_label():
     assert row["label"] == "int4 N=24"
     assert row["vote_block"] == 10
     assert row["floor_us"] == pytest.approx(row["common_path"] / 2000.0)
+    assert row["tile_bytes"] == 64 * 292  # int4: 288 code bytes and the (scale, zero) pair per token
+    assert row["memory_floor_us"] == pytest.approx(64 * 292 * 128 / 4230e3)
     assert FLOOR.report(FLOOR.parse_sass(text), "no_such_kernel", 1.78) == []
 
 
