@@ -174,23 +174,15 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 #endif
 }
 
-// Thread-block clusters: the CTA's rank and the cluster's size (1 where the launch named no cluster);
-// a barrier of every thread of the cluster (every one must take it: none may have exited), whose
-// release / acquire makes shared-memory writes before it visible to the other CTAs' reads after it;
-// loads from another CTA's shared memory at the address `p` has in this one.
+// Thread-block clusters: the CTA's rank; a barrier of every thread of the cluster (every one must take
+// it: none may have exited), whose release / acquire makes shared-memory writes before it visible to
+// the other CTAs' reads after it; loads from another CTA's shared memory at the address `p` has here.
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r = 0;
 #if MLA_KV_HAS_WGMMA
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
 #endif
   return r;
-}
-__device__ __forceinline__ uint32_t cluster_size() {
-  uint32_t n = 1;
-#if MLA_KV_HAS_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return n;
 }
 __device__ __forceinline__ void cluster_sync() {
 #if MLA_KV_HAS_WGMMA
