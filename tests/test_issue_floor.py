@@ -3,7 +3,6 @@ cuobjdump's and nvdisasm's formats, it must find the tile loop (the shortest loo
 not a diverged warp's detour), leave out the block the softmax's vote branch skips, count the rest,
 apply the V100 model to the counts, and refuse what it cannot count."""
 import struct
-from types import SimpleNamespace
 
 import pytest
 
@@ -205,17 +204,28 @@ def test_v100_report_labels_and_ratio_to_the_16_bit_kernel():
     assert base["vs_16bit"] == pytest.approx(1.0)
     assert int8["vs_16bit"] == pytest.approx(base["tile_us"] / int8["tile_us"])
     assert int8["binding"] == "f2f"
+    with pytest.raises(FLOOR.LoopError, match="not an Sm70 attention kernel"):
+        FLOOR.report_v100(FLOOR.parse_nvdisasm(sm70_like("combine_kernel", ["MOV R1, R2"])), "combine", 1.53)
 
 
 @pytest.mark.parametrize("abi, shift", [(0x41, 8), (0x33, 0)])
-def test_sm70_cubin_is_relabelled_sm75_for_the_decoder(abi, shift):
-    gate = SimpleNamespace(ELFOSABI_CUDA_V8=0x41)
+def test_sm70_cubin_is_relabelled_sm75_for_the_decoder(tmp_path, abi, shift):
+    gate = FLOOR.load_check_sm70()
     header = bytearray(64)
-    header[:4], header[7] = b"\x7fELF", abi
-    struct.pack_into("<I", header, 48, (0x123400 & ~(0xFF << shift)) | (70 << shift))
-    (flags,) = struct.unpack_from("<I", FLOOR.as_sm75(bytes(header), gate), 48)
+    header[:5], header[7] = b"\x7fELF\x02", abi
+    struct.pack_into("<H", header, 18, gate.EM_CUDA)
+    cubin = tmp_path / "k.cubin"
+
+    def relabelled(arch):
+        struct.pack_into("<I", header, 48, (0x123400 & ~(0xFF << shift)) | (arch << shift))
+        cubin.write_bytes(bytes(header))
+        return FLOOR.as_sm75(cubin, gate)
+
+    (flags,) = struct.unpack_from("<I", relabelled(70), 48)
     assert (flags >> shift) & 0xFF == 75
     assert flags & ~(0xFF << shift) == 0x123400 & ~(0xFF << shift)
-    struct.pack_into("<I", header, 48, 80 << shift)
     with pytest.raises(FLOOR.LoopError, match="sm_80"):
-        FLOOR.as_sm75(bytes(header), gate)
+        relabelled(80)
+    cubin.write_bytes(b"not an ELF")
+    with pytest.raises(FLOOR.LoopError, match="no cubin"):
+        FLOOR.as_sm75(cubin, gate)
