@@ -185,6 +185,20 @@ MUTATIONS = (
              "for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(c[k], scale);", T_QUANT_GATHER + T_QUANT_ATTENTION,
              "int8 / int4 dequantization (gather and attention tiles): the per-token zero is not added back",
              focus="int"),
+    Mutation("dequant-e4m3-nan-unchecked", "gather", MMA_SYNC, ("quantized", "addressing"), DEQUANT_CUH,
+             "if (__builtin_expect(nan_bytes != 0u || !(fabsf(wide) < INFINITY), 0)) {",
+             "if (__builtin_expect(!(fabsf(wide) < INFINITY), 0)) {", T_QUANT_GATHER,
+             "integer e4m3 decode (gather on every tag, Sm70-Sm80 attention tiles): a NaN code's vector stays on "
+             "the common path, which reads 0x7F as 480", focus="nan_codes"),
+    Mutation("dequant-e4m3-wide-scale-unchecked", "gather", MMA_SYNC, ("quantized", "addressing"), DEQUANT_CUH,
+             "if (__builtin_expect(nan_bytes != 0u || !(fabsf(wide) < INFINITY), 0)) {",
+             "if (__builtin_expect(nan_bytes != 0u, 0)) {", T_QUANT_GATHER,
+             "integer e4m3 decode: a scale of 2^8 or more stays on the common path, whose scale x 2^120 is "
+             "infinite (codes 0 -> NaN, others -> inf)", focus="nan_codes"),
+    Mutation("dequant-int4-nibble-mask", "gather", MMA_SYNC, ("quantized", "addressing"), DEQUANT_CUH,
+             'asm("lop3.b32 %0, %1, 0xF, 0x4B000000, 0xea;"', 'asm("lop3.b32 %0, %1, 0x7, 0x4B000000, 0xea;"',
+             T_QUANT_GATHER + T_QUANT_ATTENTION, "int4 decode (gather, Sm70-Sm80 attention tiles): a nibble's top bit "
+             "dropped", focus="int4"),
     Mutation("volta-stream-load-offset", "write", ("Sm70", "Sm75"), ("plain write", "pipeline"), ARCH_CUH,
              "r = __ldg(reinterpret_cast<const int4*>(vp));", "r = __ldg(reinterpret_cast<const int4*>(vp) + 1);",
              T_WRITE + T_GATHER + T_ATTENTION,

@@ -83,6 +83,39 @@ def test_gather_dequantizes(kv_format, dtype, form, arch):
     assert torch.isnan(out[total:]).all(), "rows past the gathered ones were written"
 
 
+@GPU
+@pytest.mark.parametrize("kv_format,kv_scale", [("fp8", KV_SCALE), ("fp8", 255.0), ("fp8", 256.0), ("fp8_ds_mla", None)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_e4m3_nan_codes_and_scales_from_2_to_the_8(kv_format, kv_scale, dtype, arch):
+    """NaN codes (0x7F, 0xFF) among finite ones, and scales of 2^8 and more (fp8's kv_scale 256, a
+    fp8_ds_mla tile's 256 or 300; 255 stays on the common path): the cases that the integer e4m3
+    decode (dequant.cuh, the gather kernel's on every arch tag) hands to its per-value path. Rows equal
+    the spec's, NaN where it is NaN (the NaN's bits aside)."""
+    gen = torch.Generator().manual_seed(41 + int(kv_scale or 0))
+    bs, num_blocks = 16, 4
+    rows, _ = random_rows(num_blocks * bs, kv_format, dtype, gen)
+    codes = 512 if kv_format == "fp8_ds_mla" else 576
+    for r in range(0, rows.shape[0], 2):  # three NaN codes in every other row: most vectors keep none
+        rows[r, torch.randint(0, codes, (3,), generator=gen)] = torch.tensor([0x7F, 0xFF, 0x7F], dtype=torch.uint8)
+    if kv_format == "fp8_ds_mla":
+        scales = rows[:, 512:528].clone().view(torch.float32)
+        scales[1::3, 2] = 300.0
+        scales[4::5, 0] = 256.0
+        scales[3::4, 1] = 255.0
+        rows[:, 512:528] = scales.view(torch.uint8)
+    cache = paged_bytes(rows, None, bs).cuda()
+    table = torch.randperm(num_blocks, generator=gen).int().view(1, -1)
+    cu = torch.tensor([0, num_blocks * bs - 5], dtype=torch.int32)
+    out = torch.full((int(cu[-1]), 576), float("nan"), dtype=dtype, device="cuda")
+    mla_kv.gather_kv(cache, table.cuda(), cu.cuda(), out=out, kv_format=kv_format, kv_scale=kv_scale, arch=arch,
+                     validate=True)
+    spec = reference.gather_kv(cache.cpu(), table, cu, kv_format=kv_format, kv_scale=kv_scale, dtype=dtype)
+    got, nan = out.cpu(), torch.isnan(spec)
+    assert int(nan.any(1).sum()) >= 20, "the NaN codes did not decode to NaN in the spec"
+    assert torch.equal(torch.isnan(got), nan), f"{kv_format}: NaN where the spec has none, or none where it has"
+    assert same_bytes(got.masked_fill(nan, 0), spec.masked_fill(nan, 0)), f"{kv_format}: rows differ from the spec's"
+
+
 # ------------------------------------------------------------------------------------ CPU
 def test_cpu_gather_reads_the_bytes_as_the_reader_does():
     gen = torch.Generator().manual_seed(9)

@@ -208,6 +208,34 @@ def test_v100_report_labels_and_ratio_to_the_16_bit_kernel():
         FLOOR.report_v100(FLOOR.parse_nvdisasm(sm70_like("combine_kernel", ["MOV R1, R2"])), "combine", 1.53)
 
 
+def e4m3_decode(fallback_lines, label):
+    """dequant.cuh's fp8_values_soft as clang lays it out: the NaN / scale check, a guarded branch over
+    the per-value fallback (FSEL of +QNAN), which leaves by an unguarded branch past the common path."""
+    return ["LOP3.LUT P0, RZ, R85, 0x80808080, R84, 0xc8, !PT", f"@!P0 BRA `(.L_x_{label}1)",
+            *fallback_lines, f"BRA `(.L_x_{label}2)",
+            f".L_x_{label}1:", "SHF.R.S32.HI R87, RZ, 0x4, R30", "LOP3.LUT R30, R87, 0x87f00000, RZ, 0xc0, !PT",
+            "FMUL R30, R19, R30", f".L_x_{label}2:", "F2F.F16.F32 R30, R30"]
+
+
+def test_v100_model_leaves_out_the_e4m3_fallback_but_not_a_block_around_it():
+    fallback = ["ISETP.NE.AND P5, PT, R84, 0x7f, PT", "FSEL R85, R85, +QNAN , P5", "FMUL R85, R85, c[0x0][0x244]"]
+    body = e4m3_decode(fallback, 10) + e4m3_decode(fallback, 20) + ["STS.128 [R20], R84"]
+    ins = FLOOR.parse_nvdisasm(sm70_like(SM70_INT8.replace("KvFormatE3E", "KvFormatE1E"), body))
+    loop = FLOOR.find_tile_loop(next(iter(ins.values())), vote=False)
+    assert loop.fallback_length == 2 * (len(fallback) + 1)  # each with its closing branch
+    assert loop.common_path == loop.length - 2 * (len(fallback) + 1)
+    assert loop.mix["fp32"] == 2  # the two common-path FMULs, no FSEL
+    # a branch over more than the fallback (here: a block holding a whole decode) is not left out
+    outer = ["@P1 BRA `(.L_x_9)", *e4m3_decode(fallback, 30), "BRA `(.L_x_8)", ".L_x_9:", "MOV R1, R2", ".L_x_8:"]
+    ins = FLOOR.parse_nvdisasm(sm70_like(SM70_16BIT, outer))
+    loop = FLOOR.find_tile_loop(next(iter(ins.values())), vote=False)
+    assert loop.fallback_length == len(fallback) + 1
+    # without the NaN select it is an ordinary branch: counted
+    plain = e4m3_decode(["FMUL R85, R85, c[0x0][0x244]"], 40)
+    loop = FLOOR.find_tile_loop(next(iter(FLOOR.parse_nvdisasm(sm70_like(SM70_16BIT, plain)).values())), vote=False)
+    assert loop.fallback_length == 0
+
+
 @pytest.mark.parametrize("abi, shift", [(0x41, 8), (0x33, 0)])
 def test_sm70_cubin_is_relabelled_sm75_for_the_decoder(tmp_path, abi, shift):
     gate = FLOOR.load_check_sm70()

@@ -52,10 +52,25 @@ __device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
   return r;
 }
 
-// 8 e4m3 bytes (lo: values 0..3) times scale, by integer arithmetic (arch/fp8.cuh).
+// 8 e4m3 bytes (lo: values 0..3) times scale, by integer arithmetic. A code's sign and 7 magnitude bits
+// placed as fp32 bits are its value times 2^-120 (arch::e4m3_to_float), so one product with scale 2^120
+// rounds the same exact product as e4m3_to_float(code) * scale: three integer instructions and a
+// multiply a value instead of e4m3_to_float's eight and two (the Sm70 decode is issue-bound). NaN
+// codes (magnitude 0x7F, found for all 8 bytes at once) and scales of 2^8 or more, whose 2^120 multiple
+// is not finite, take the per-value path.
 __device__ __forceinline__ void fp8_values_soft(uint2 bytes, float scale, float (&v)[8]) {
+  const float wide = scale * 0x1p120f;  // exact while finite
+  const uint32_t nan_bytes = (((bytes.x & 0x7F7F7F7Fu) + 0x01010101u) | ((bytes.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u;
+  if (__builtin_expect(nan_bytes != 0u || !(fabsf(wide) < INFINITY), 0)) {  // (placed out of the loops)
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
+    for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int32_t top = int32_t((k < 4 ? bytes.x : bytes.y) << (24 - 8 * (k & 3)));  // the code in bits 24..31
+    v[k] = __fmul_rn(__uint_as_float(uint32_t(top >> 4) & 0x87F00000u), wide);     // sign, then 20..26
+  }
 }
 // The same values; the Sm90 tag converts pairs to (exact) halves in hardware.
 template <class A>
@@ -123,11 +138,17 @@ __device__ __forceinline__ void int8_values(uint2 bytes, float scale, float zero
   for (int k = 0; k < 8; ++k) c[k] = code_value(__byte_perm(k < 4 ? bytes.x : bytes.y, 0x4B000000u, 0x7540u + (k & 3)));
   int_codes_values(c, scale, zero, v);
 }
-// One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7.
+// One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7. A nibble takes
+// a shift and one lop3 ((w >> 4n) & 0xF | 2^23's exponent), which the compiler would split into a
+// field extract and an or.
 __device__ __forceinline__ void int4_values(uint32_t word, float scale, float zero, float (&v)[8]) {
   float c[8];
 #pragma unroll
-  for (int n = 0; n < 8; ++n) c[(n & 3) * 2 + (n >> 2)] = code_value(0x4B000000u | ((word >> (4 * n)) & 0xFu));
+  for (int n = 0; n < 8; ++n) {
+    uint32_t bits;
+    asm("lop3.b32 %0, %1, 0xF, 0x4B000000, 0xea;" : "=r"(bits) : "r"(word >> (4 * n)));
+    c[(n & 3) * 2 + (n >> 2)] = code_value(bits);
+  }
   int_codes_values(c, scale, zero, v);
 }
 

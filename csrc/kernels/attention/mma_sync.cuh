@@ -107,6 +107,9 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       const int c = lane + 32 * v;
       col_of[v] = c < kVecsPerRow ? canonical_column(rows.cache.row, c * 8) : -1;
     }
+    // Whether this lane has vector v of a row: a compile-time yes below the partial last pass, which
+    // spares the register path's tile moves a divergent branch per vector.
+    auto has_vec = [&](int v) { return 32 * (v + 1) <= kVecsPerRow || col_of[v] >= 0; };
     constexpr int kStageElems = kBlockN * kPitch;
     int4 staged[kQuant ? 1 : kRowsPerWarp][kVecsPerLane];  // register path, 16-bit rows
     dequant::Raw8<kFormat> raw[kQuant ? kRowsPerWarp : 1][kVecsPerLane];  // quantized rows' bytes
@@ -134,13 +137,13 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
 #pragma unroll
           for (int v = 0; v < kVecsPerLane; ++v) {
             raw[k][v] = dequant::Raw8<kFormat>{};
-            if (col_of[v] >= 0 && row) raw[k][v] = dequant::load8<kFormat>(row, (lane + 32 * v) * 8);
+            if (has_vec(v) && row) raw[k][v] = dequant::load8<kFormat>(row, (lane + 32 * v) * 8);
           }
           continue;
         }
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
-          if (col_of[v] < 0) continue;
+          if (!has_vec(v)) continue;
           if constexpr (kStages > 1) {
             arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
                               src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       for (int k = 0; k < kRowsPerWarp; ++k)
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
-          if (col_of[v] < 0) continue;
+          if (!has_vec(v)) continue;
           T* dst = kv_s + (warp + k * kWarps) * kPitch + col_of[v];
           if constexpr (kQuant) {
             float scale = rows.cache.row.kv_scale, zero = 0.f;
