@@ -54,14 +54,15 @@ __device__ __forceinline__ arch::Vec<T, 8> to_vec(const float (&v)[8]) {
 
 // 8 e4m3 bytes (lo: values 0..3) times scale, by integer arithmetic. A code's sign and 7 magnitude bits
 // placed as fp32 bits are its value times 2^-120 (arch::e4m3_to_float), so one product with scale 2^120
-// rounds the same exact product as e4m3_to_float(code) * scale: three integer instructions and a
-// multiply a value instead of e4m3_to_float's eight and two (the Sm70 decode is issue-bound). NaN
-// codes (magnitude 0x7F, found for all 8 bytes at once) and scales of 2^8 or more, whose 2^120 multiple
-// is not finite, take the per-value path.
+// rounds the same exact product as e4m3_to_float(code) * scale: three integer instructions and one
+// multiply a value, where e4m3_to_float and the scale take five or six, a NaN select and two multiplies
+// (the Sm70 decode is issue-bound). NaN codes (magnitude 0x7F, found for all 8 bytes at once) and scales
+// of 2^8 or more, whose 2^120 multiple is not finite, take the per-value path. clang keeps that path
+// inside the tile loop; scripts/issue-floor --arch 70 leaves it out of the count by its NaN select.
 __device__ __forceinline__ void fp8_values_soft(uint2 bytes, float scale, float (&v)[8]) {
   const float wide = scale * 0x1p120f;  // exact while finite
   const uint32_t nan_bytes = (((bytes.x & 0x7F7F7F7Fu) + 0x01010101u) | ((bytes.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u;
-  if (__builtin_expect(nan_bytes != 0u || !(fabsf(wide) < INFINITY), 0)) {  // (placed out of the loops)
+  if (__builtin_expect(nan_bytes != 0u || !(fabsf(wide) < INFINITY), 0)) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(arch::e4m3_to_float(((k < 4 ? bytes.x : bytes.y) >> (8 * (k & 3))) & 0xFFu), scale);
     return;
