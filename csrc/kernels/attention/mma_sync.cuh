@@ -139,19 +139,19 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
             raw[k][v] = dequant::Raw8<kFormat>{};
             if (has_vec(v) && row) raw[k][v] = dequant::load8<kFormat>(row, (lane + 32 * v) * 8);
           }
-          continue;
-        }
+        } else {
 #pragma unroll
-        for (int v = 0; v < kVecsPerLane; ++v) {
-          if (!has_vec(v)) continue;
-          if constexpr (kStages > 1) {
-            arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
-                              src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
-          } else {
-            staged[k][v] = make_int4(0, 0, 0, 0);
-            if (src) {
-              const arch::Vec<T, 8> x = arch::load_stream<A, T, 8>(src + (lane + 32 * v) * 8);
-              staged[k][v] = *reinterpret_cast<const int4*>(&x);
+          for (int v = 0; v < kVecsPerLane; ++v) {
+            if (!has_vec(v)) continue;
+            if constexpr (kStages > 1) {
+              arch::cp_async_16(kv_s + stage * kStageElems + r * kPitch + col_of[v],
+                                src ? src + (lane + 32 * v) * 8 : static_cast<const T*>(p.q), src != nullptr);
+            } else {
+              staged[k][v] = make_int4(0, 0, 0, 0);
+              if (src) {
+                const arch::Vec<T, 8> x = arch::load_stream<A, T, 8>(src + (lane + 32 * v) * 8);
+                staged[k][v] = *reinterpret_cast<const int4*>(&x);
+              }
             }
           }
         }
