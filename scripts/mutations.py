@@ -196,7 +196,7 @@ MUTATIONS = (
              "integer e4m3 decode: a scale of 2^8 or more stays on the common path, whose scale x 2^120 is "
              "infinite (codes 0 -> NaN, others -> inf)", focus="nan_codes"),
     Mutation("dequant-int4-nibble-mask", "gather", MMA_SYNC, ("quantized", "addressing"), DEQUANT_CUH,
-             'asm("lop3.b32 %0, %1, 0xF, 0x4B000000, 0xea;"', 'asm("lop3.b32 %0, %1, 0x7, 0x4B000000, 0xea;"',
+             "code_value(masked_or<0xFu, 0x4B000000u>(word", "code_value(masked_or<0x7u, 0x4B000000u>(word",
              T_QUANT_GATHER + T_QUANT_ATTENTION, "int4 decode (gather, Sm70-Sm80 attention tiles): a nibble's top bit "
              "dropped", focus="int4"),
     Mutation("volta-stream-load-offset", "write", ("Sm70", "Sm75"), ("plain write", "pipeline"), ARCH_CUH,

@@ -110,14 +110,19 @@ __device__ __forceinline__ uint32_t unbias_halves(uint32_t biased) {
 __device__ __forceinline__ uint32_t byte_codes_to_biased_halves(uint32_t w, uint32_t selector) {
   return __byte_perm(w, kHalfMagic | (kHalfMagic >> 8), selector);
 }
+// (x & kMask) | kBits as one lop3: the compiler would split it into a field extract (or an and) and an or.
+template <uint32_t kMask, uint32_t kBits>
+__device__ __forceinline__ uint32_t masked_or(uint32_t x) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "n"(kMask), "n"(kBits));
+  return r;
+}
 // Nibbles K and K + 4 of `w` (K = 0 or 1: bits 4 K and 16 + 4 K) as a pair of halves, one masking
 // lop3: 1024 + c for nibble 0, 1024 + 16 c for nibble 1 (biased; their callers take the bias out).
 template <int K>
 __device__ __forceinline__ uint32_t nibble_codes_to_biased_halves(uint32_t w) {
   static_assert(K == 0 || K == 1, "the low byte of each half holds nibbles 0 and 1");
-  uint32_t biased;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(biased) : "r"(w), "n"(K == 0 ? 0x000F000Fu : 0x00F000F0u), "n"(kHalfMagic));
-  return biased;
+  return masked_or<K == 0 ? 0x000F000Fu : 0x00F000F0u, kHalfMagic>(w);
 }
 // Nibbles 0 and 4 as the pair of halves c, exactly.
 __device__ __forceinline__ uint32_t low_nibble_codes_to_halves(uint32_t w) {
@@ -139,17 +144,12 @@ __device__ __forceinline__ void int8_values(uint2 bytes, float scale, float zero
   for (int k = 0; k < 8; ++k) c[k] = code_value(__byte_perm(k < 4 ? bytes.x : bytes.y, 0x4B000000u, 0x7540u + (k & 3)));
   int_codes_values(c, scale, zero, v);
 }
-// One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7. A nibble takes
-// a shift and one lop3 ((w >> 4n) & 0xF | 2^23's exponent), which the compiler would split into a
-// field extract and an or.
+// One int4 word, whose nibbles from the low one up hold values 0, 2, 4, 6, 1, 3, 5, 7; a nibble is a
+// shift and one lop3 (under 2^23's exponent).
 __device__ __forceinline__ void int4_values(uint32_t word, float scale, float zero, float (&v)[8]) {
   float c[8];
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    uint32_t bits;
-    asm("lop3.b32 %0, %1, 0xF, 0x4B000000, 0xea;" : "=r"(bits) : "r"(word >> (4 * n)));
-    c[(n & 3) * 2 + (n >> 2)] = code_value(bits);
-  }
+  for (int n = 0; n < 8; ++n) c[(n & 3) * 2 + (n >> 2)] = code_value(masked_or<0xFu, 0x4B000000u>(word >> (4 * n)));
   int_codes_values(c, scale, zero, v);
 }
 
