@@ -106,11 +106,15 @@ def test_gather_e4m3_nan_codes_and_scales_from_2_to_the_8(kv_format, kv_scale, d
     cache = paged_bytes(rows, None, bs).cuda()
     table = torch.randperm(num_blocks, generator=gen).int().view(1, -1)
     cu = torch.tensor([0, num_blocks * bs - 5], dtype=torch.int32)
-    out = torch.full((int(cu[-1]), 576), float("nan"), dtype=dtype, device="cuda")
+    total = int(cu[-1])
+    out = torch.full((total + 3, 576), float("nan"), dtype=dtype, device="cuda")
+    out[total:] = -3.0  # a finite canary: NaN codes decode to NaN
+    canary = out[total:].clone()
     mla_kv.gather_kv(cache, table.cuda(), cu.cuda(), out=out, kv_format=kv_format, kv_scale=kv_scale, arch=arch,
                      validate=True)
+    assert same_bytes(out[total:], canary), "rows past the gathered ones were written"
     spec = reference.gather_kv(cache.cpu(), table, cu, kv_format=kv_format, kv_scale=kv_scale, dtype=dtype)
-    got, nan = out.cpu(), torch.isnan(spec)
+    got, nan = out[:total].cpu(), torch.isnan(spec)
     assert int(nan.any(1).sum()) >= 20, "the NaN codes did not decode to NaN in the spec"
     assert torch.equal(torch.isnan(got), nan), f"{kv_format}: NaN where the spec has none, or none where it has"
     assert same_bytes(got.masked_fill(nan, 0), spec.masked_fill(nan, 0)), f"{kv_format}: rows differ from the spec's"
