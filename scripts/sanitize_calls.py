@@ -131,6 +131,9 @@ def calls() -> List[Tuple[str, object]]:
     # Hopper's copy warp on 64-row blocks: a tile a bulk copy of one block, the block table read a window ahead.
     out += [(f"quantized/{fmt}/best/float16/bs64", QuantCase(kv_format=fmt, block_size=64, num_blocks=5))
             for fmt in ("fp8", "fp8_ds_mla", "int8", "int4")]
+    # Hopper's decode at 4 forced splits of 80 positions (b = 0 with 3 empty ones), merged by the combine.
+    out += [(f"quantized/{fmt}/best/float16/splits4", QuantCase(kv_format=fmt, block_size=64, num_blocks=5, splits=4))
+            for fmt in ("fp8", "fp8_ds_mla", "int8", "int4")]
     # The expanded-form kernel: both tags, every head-dim pair, 64- and 32-row CTAs (the T4's limits),
     # packed sequences with none / more queries than keys, padded rows and strided rows.
     for arch in ("sm70", "sm75"):

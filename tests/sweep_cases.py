@@ -768,6 +768,7 @@ class QuantCase:
     block_size: int = 16
     num_blocks: int = 4
     padded_slots: int = 3
+    splits: int = 0  # > 0: the decode's kv positions in that many splits (else the op's own schedule)
 
 
 def run_quant(case: QuantCase, device, seed: int) -> Outcome:
@@ -827,8 +828,10 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
     q = can.tensor((2, 2, 8, 576), dtype)
     q.copy_(randn(q.shape, gen, device, 0.3))
     att_out, att_lse = can.tensor((2, 2, 8, 512), dtype), can.tensor((2, 2, 8), torch.float32)
+    schedule = None if case.splits == 0 else gpu_checks.split_schedule(
+        case.splits, -(-case.num_blocks * bs // case.splits), 4, 8)
     _, failed = _call(lambda: mla_kv.decode(q, rows, tables, lens, 0.07, out=att_out, lse=att_lse, kv_format=fmt,
-                                            kv_scale=scale, arch=case.arch), None, can)
+                                            kv_scale=scale, arch=case.arch, schedule=schedule), None, can)
     if failed:
         return failed
     ref_out, ref_lse = reference.decode(q.double().cpu(), rows.cpu(), tables.cpu(), lens.cpu(), 0.07, kv_format=fmt,

@@ -211,6 +211,13 @@ DECODE_CASES = {
     # split (b = 0, 1), a split ending inside a tile and one inside a block of 32 rows.
     "sq1-h16-bs64-pairs": dict(s_q=1, heads=16, block_size=64, lens=[1, 64, 650], shared=0, splits=2),
     "sq1-h20-bs32-pairs": dict(s_q=1, heads=20, block_size=32, lens=[33, 1, 333], shared=1, splits=2),
+    # 40 splits: the narrow kernel's partials through the combine's many-split path (a row's columns over
+    # two CTAs); b = 0 has 39 empty splits, b = 2 the splits past its 700 tokens.
+    "sq1-h20-splits40": dict(s_q=1, heads=20, block_size=64, lens=[1, 2600, 700], shared=1, splits=40),
+    # 72 sequences of 1-190 tokens in 3 splits: 216 narrow CTAs, more than a Hopper GPU holds at once,
+    # many of them with empty splits.
+    "sq1-h16-combine": dict(s_q=1, heads=16, block_size=32, lens=[1 + (37 * i) % 190 for i in range(72)], shared=1,
+                            splits=3),
 }
 PREFILL_CASE = dict(heads=20, block_size=32, q_lens=[5, 1, 37], kv_lens=[5 + 40, 1, 37 + 100], shared=1, splits=3,
                     pad=5)
@@ -463,7 +470,8 @@ def plant_scale_rise(cache, q_full, form):
 
 
 @GPU
-@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq2-h7-bs32", "sq1-h16-bs64-pairs", "sq1-h20-bs32-pairs"])
+@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq2-h7-bs32", "sq1-h16-bs64-pairs", "sq1-h20-bs32-pairs",
+                                  "sq1-h20-splits40", "sq1-h16-combine"])
 @pytest.mark.parametrize("form", ["paged", "blocks"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
