@@ -829,7 +829,7 @@ def run_quant(case: QuantCase, device, seed: int) -> Outcome:
     q.copy_(randn(q.shape, gen, device, 0.3))
     att_out, att_lse = can.tensor((2, 2, 8, 512), dtype), can.tensor((2, 2, 8), torch.float32)
     schedule = None if case.splits == 0 else gpu_checks.split_schedule(
-        case.splits, -(-case.num_blocks * bs // case.splits), 4, 8)
+        case.splits, -(-case.num_blocks * bs // case.splits), q.shape[0] * q.shape[1], q.shape[2])
     _, failed = _call(lambda: mla_kv.decode(q, rows, tables, lens, 0.07, out=att_out, lse=att_lse, kv_format=fmt,
                                             kv_scale=scale, arch=case.arch, schedule=schedule), None, can)
     if failed:

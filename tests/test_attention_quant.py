@@ -214,8 +214,8 @@ DECODE_CASES = {
     # 40 splits: the narrow kernel's partials through the combine's many-split path (a row's columns over
     # two CTAs); b = 0 has 39 empty splits, b = 2 the splits past its 700 tokens.
     "sq1-h20-splits40": dict(s_q=1, heads=20, block_size=64, lens=[1, 2600, 700], shared=1, splits=40),
-    # 72 sequences of 1-190 tokens in 3 splits: 216 narrow CTAs, more than a Hopper GPU holds at once,
-    # many of them with empty splits.
+    # 72 sequences of 1-190 tokens in 3 splits: 216 narrow CTAs, a second wave on any Hopper GPU, many of
+    # them with empty splits, all merged by one combine.
     "sq1-h16-combine": dict(s_q=1, heads=16, block_size=32, lens=[1 + (37 * i) % 190 for i in range(72)], shared=1,
                             splits=3),
 }
