@@ -491,12 +491,13 @@ def test_decode_quantized_block_size_16(kv_format, dtype, arch):
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq1-h16-long", "sq1-h16-bs64-pairs"])
+@pytest.mark.parametrize("case", ["sq1-h16-bs64", "sq1-h16-long", "sq1-h16-bs64-pairs", "sq1-h20-splits40"])
 def test_decode_quantized_score_jumps(kv_format, dtype, case, arch):
     """Heads whose running max moves by ~40 nats in a late tile (and a sink): O, the row sum and the
     int formats' zero-point term must all be rescaled (random scores never move the max that far).
     The long case's one split gives each warpgroup its jumps after tiles of its own; the pairs case's
-    two splits, merged in the kernel, meet with lse far apart."""
+    two splits, merged in the kernel, meet with lse far apart; at 40 splits each jump lies in a split of
+    its own, so the merge weighs splits whose lse lie ~40 nats apart."""
     run_decode_case(kv_format, dtype, case, "paged", arch, plant=plant_score_jumps)
 
 
