@@ -214,9 +214,52 @@ class AllowListError(ValueError):
     pass
 
 
-def parse_allow_list(text: str, name: str = "sanitize-allow.txt") -> List[AllowEntry]:
+# A source line whose comment holds "sanitize-allow: NAME" is site @NAME of its file; "NAME {" on one line
+# and "NAME }" on a later one mark every line from the first to the second. The allow list names sites
+# so, rather than by number, and an edit above them no longer moves them out of its entries.
+_SITE_MARK = re.compile(r"sanitize-allow:\s*([\w-]+)(?:\s*([{}]))?")
+
+
+def marked_sites(text: str, file: str) -> Dict[str, List[Tuple[int, int]]]:
+    """NAME -> the line ranges (1-based, inclusive) that file's text marks as site @NAME."""
+    sites: Dict[str, List[Tuple[int, int]]] = {}
+    open_at: Dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        for m in _SITE_MARK.finditer(line):
+            name, brace = m[1], m[2]
+            if brace == "{":
+                if name in open_at:
+                    raise AllowListError(f"{file}:{number}: site @{name} opened again before its '}}'")
+                open_at[name] = number
+            elif brace == "}":
+                if name not in open_at:
+                    raise AllowListError(f"{file}:{number}: site @{name} closed but not opened")
+                sites.setdefault(name, []).append((open_at.pop(name), number))
+            else:
+                sites.setdefault(name, []).append((number, number))
+    if open_at:
+        name, number = next(iter(open_at.items()))
+        raise AllowListError(f"{file}:{number}: site @{name} opened but never closed")
+    return sites
+
+
+def source_sites(root: Path = ROOT / "csrc") -> Dict[str, Dict[str, List[Tuple[int, int]]]]:
+    """File name (as compute-sanitizer prints it) -> its marked sites, over the sources under root."""
+    out: Dict[str, Dict[str, List[Tuple[int, int]]]] = {}
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h") and path.is_file():
+            if path.name in out:
+                raise AllowListError(f"two sources named {path.name}: an allow-list site could not tell them apart")
+            out[path.name] = marked_sites(path.read_text(), str(path.relative_to(root.parent)))
+    return out
+
+
+def parse_allow_list(text: str, name: str = "sanitize-allow.txt",
+                     sources: Optional[Dict[str, Dict[str, List[Tuple[int, int]]]]] = None) -> List[AllowEntry]:
     """Entries ``tool | kernel | sites | reason``, one a line; '#' starts a comment. sites:
-    FILE:LINE[-LINE][,LINE[-LINE]...] groups separated by ';', or '*'. The reason is mandatory."""
+    FILE:SITE[,SITE...] groups separated by ';', or '*'; a SITE is LINE, LINE-LINE or @NAME, a site
+    that FILE's comments mark (marked_sites; sources: source_sites(), read when an entry names one).
+    The reason is mandatory."""
     entries = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -238,24 +281,36 @@ def parse_allow_list(text: str, name: str = "sanitize-allow.txt") -> List[AllowE
                 raise AllowListError(f"{where}: bad regex {kernel[3:]!r}: {error}") from None
         if not reason:
             raise AllowListError(f"{where}: an entry needs a reason")
-        entries.append(AllowEntry(number, tool, kernel, None if sites == "*" else _parse_sites(sites, where), reason))
+        if sites != "*" and "@" in sites and sources is None:
+            sources = source_sites()
+        entries.append(AllowEntry(number, tool, kernel, None if sites == "*" else _parse_sites(sites, where, sources),
+                                  reason))
     return entries
 
 
-def _parse_sites(text: str, where: str) -> Dict[str, List[Tuple[int, int]]]:
+def _parse_sites(text: str, where: str, sources) -> Dict[str, List[Tuple[int, int]]]:
     sites: Dict[str, List[Tuple[int, int]]] = {}
     for group in filter(None, (g.strip() for g in text.split(";"))):
         file, sep, lines = group.rpartition(":")
         if not sep or not file:
-            raise AllowListError(f"{where}: a site is FILE:LINE[-LINE][,...], got {group!r}")
+            raise AllowListError(f"{where}: a site is FILE:LINE[-LINE][,...] or FILE:@NAME, got {group!r}")
+        file = os.path.basename(file.strip())
         for part in lines.split(","):
+            marked = re.fullmatch(r"\s*@([\w-]+)\s*", part)
+            if marked:
+                ranges = (sources or {}).get(file, {}).get(marked[1])
+                if not ranges:
+                    raise AllowListError(f"{where}: no line of {file} marks site @{marked[1]} "
+                                         f"(a comment 'sanitize-allow: {marked[1]}')")
+                sites.setdefault(file, []).extend(ranges)
+                continue
             m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
             if not m:
                 raise AllowListError(f"{where}: bad line number or range {part!r} in {group!r}")
             lo, hi = int(m[1]), int(m[2] or m[1])
             if hi < lo:
                 raise AllowListError(f"{where}: empty range {part!r}")
-            sites.setdefault(os.path.basename(file.strip()), []).append((lo, hi))
+            sites.setdefault(file, []).append((lo, hi))
     if not sites:
         raise AllowListError(f"{where}: no sites (use * for any)")
     return sites

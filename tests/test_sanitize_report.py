@@ -216,9 +216,28 @@ def test_shards_split_a_selection_evenly(monkeypatch, tmp_path):
     assert max(map(len, given.values())) - min(map(len, given.values())) <= 1
 
 
+def test_marked_sites_and_their_errors():
+    text = ("a;  // sanitize-allow: one\n"
+            "b;  // why; sanitize-allow: two {\n"
+            "c;\n"
+            "d;  // sanitize-allow: two }; sanitize-allow: one\n")
+    assert sanitize.marked_sites(text, "f.cuh") == {"one": [(1, 1), (4, 4)], "two": [(2, 4)]}
+    for bad, message in [("// sanitize-allow: x {\n// sanitize-allow: x {\n", "f.cuh:2: site @x opened again"),
+                         ("// sanitize-allow: x }\n", "f.cuh:1: site @x closed but not opened"),
+                         ("\n// sanitize-allow: x {\n", "f.cuh:2: site @x opened but never closed")]:
+        with pytest.raises(sanitize.AllowListError, match=message):
+            sanitize.marked_sites(bad, "f.cuh")
+    sources = {"k.cuh": sanitize.marked_sites(text, "k.cuh")}
+    (entry,) = sanitize.parse_allow_list("racecheck | k | k.cuh:@two,9;a.cuh:3 | r\n", "allow.txt", sources)
+    assert entry.sites == {"k.cuh": [(2, 4), (9, 9)], "a.cuh": [(3, 3)]}
+    for sites in ("k.cuh:@three", "other.cuh:@one"):
+        with pytest.raises(sanitize.AllowListError, match="allow.txt:1: no line of .* marks site @"):
+            sanitize.parse_allow_list(f"racecheck | k | {sites} | r\n", "allow.txt", sources)
+
+
 def test_allow_list_pins_the_hopper_handoffs_it_names():
-    """The racecheck entries pin lines of the Hopper kernels' headers, which move with every edit there:
-    each pinned line must still touch a shared buffer the entry's reason names first ("max_s:",
+    """The racecheck entries name lines of the Hopper kernels' headers (by the sites their comments mark):
+    each line must still touch a shared buffer the entry's reason names first ("max_s:",
     "m_s / l_s / corr_s (...)"), else the entry allows a different access than it says (or none)."""
     repo = Path(__file__).resolve().parent.parent
     headers = ("attention_sm90.cuh", "attention_sm90_narrow.cuh")

@@ -126,7 +126,7 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
 // One 16- / 8-byte shared-memory load that stays one instruction: from a plain vector load whose
 // words are used apart, nvcc may make four (two) 4-byte ones (the narrow kernel's int K pass did:
 // four times the MIO issues). volatile keeps it after the mbarrier wait that made the bytes land.
-__device__ __forceinline__ uint4 load_shared_16(const void* p) {
+__device__ __forceinline__ uint4 load_shared_16(const void* p) {  // sanitize-allow: merge-reads {
   uint4 r;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -138,7 +138,7 @@ __device__ __forceinline__ uint2 load_shared_8(const void* p) {
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y)
                : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
   return r;
-}
+}  // sanitize-allow: merge-reads }
 
 // Host side: the widest access (16 bytes, else two elements, else 0 = unsupported) that every
 // given address and byte stride/offset of an op allows.
@@ -155,11 +155,11 @@ inline int64_t widest_access(int64_t elem_bytes, std::initializer_list<const voi
 
 // Sm80+ asynchronous global -> shared copies (Volta and Turing stage through registers instead).
 // A false `valid` writes 16 zero bytes without reading `src`.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {  // sanitize-allow: probs {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
-#endif
+#endif  // sanitize-allow: probs }
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
