@@ -243,14 +243,14 @@ def marked_sites(text: str, file: str) -> Dict[str, List[Tuple[int, int]]]:
     return sites
 
 
-def source_sites(root: Path = ROOT / "csrc") -> Dict[str, Dict[str, List[Tuple[int, int]]]]:
-    """File name (as compute-sanitizer prints it) -> its marked sites, over the sources under root."""
-    out: Dict[str, Dict[str, List[Tuple[int, int]]]] = {}
+def source_sites(root: Path = ROOT / "csrc") -> Dict[str, Optional[Dict[str, List[Tuple[int, int]]]]]:
+    """File name (as compute-sanitizer prints it) -> its marked sites, over the sources under root; None
+    for a name that several sources share (a site there is ambiguous, which only an entry naming one is)."""
+    out: Dict[str, Optional[Dict[str, List[Tuple[int, int]]]]] = {}
     for path in sorted(root.rglob("*")):
         if path.suffix in (".cu", ".cuh", ".h") and path.is_file():
-            if path.name in out:
-                raise AllowListError(f"two sources named {path.name}: an allow-list site could not tell them apart")
-            out[path.name] = marked_sites(path.read_text(), str(path.relative_to(root.parent)))
+            sites = marked_sites(path.read_text(), str(path.relative_to(root.parent)))
+            out[path.name] = None if path.name in out else sites
     return out
 
 
@@ -298,6 +298,8 @@ def _parse_sites(text: str, where: str, sources) -> Dict[str, List[Tuple[int, in
         for part in lines.split(","):
             marked = re.fullmatch(r"\s*@([\w-]+)\s*", part)
             if marked:
+                if file in (sources or {}) and sources[file] is None:
+                    raise AllowListError(f"{where}: several sources are named {file}: site @{marked[1]} is ambiguous")
                 ranges = (sources or {}).get(file, {}).get(marked[1])
                 if not ranges:
                     raise AllowListError(f"{where}: no line of {file} marks site @{marked[1]} "

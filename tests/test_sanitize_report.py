@@ -235,6 +235,19 @@ def test_marked_sites_and_their_errors():
             sanitize.parse_allow_list(f"racecheck | k | {sites} | r\n", "allow.txt", sources)
 
 
+def test_sources_sharing_a_name_fail_only_an_entry_that_names_a_site_there(tmp_path):
+    for sub in ("a", "b"):
+        (tmp_path / "csrc" / sub).mkdir(parents=True)
+        (tmp_path / "csrc" / sub / "same.cuh").write_text("x;  // sanitize-allow: one\n")
+    (tmp_path / "csrc" / "a" / "own.cuh").write_text("y;\nz;  // sanitize-allow: one\n")
+    sources = sanitize.source_sites(tmp_path / "csrc")
+    assert sources == {"same.cuh": None, "own.cuh": {"one": [(2, 2)]}}
+    (entry,) = sanitize.parse_allow_list("racecheck | k | own.cuh:@one;same.cuh:7 | r\n", "allow.txt", sources)
+    assert entry.sites == {"own.cuh": [(2, 2)], "same.cuh": [(7, 7)]}
+    with pytest.raises(sanitize.AllowListError, match="allow.txt:1: several sources are named same.cuh"):
+        sanitize.parse_allow_list("racecheck | k | same.cuh:@one | r\n", "allow.txt", sources)
+
+
 def test_allow_list_pins_the_hopper_handoffs_it_names():
     """The racecheck entries name lines of the Hopper kernels' headers (by the sites their comments mark):
     each line must still touch a shared buffer the entry's reason names first ("max_s:",
