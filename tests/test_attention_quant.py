@@ -41,8 +41,8 @@ import mla_kv
 from mla_kv import layout, reference
 from mla_kv.reference import quant
 
-from gpu_checks import (ATTENTION_ARCHS, LSE_TOL, OUT_TOL, check_attention, nan_outputs, poisoned_workspace,
-                        same_bytes, split_schedule)
+from gpu_checks import (ATTENTION_ARCHS, LSE_TOL, OUT_TOL, capture_graph, check_attention, nan_outputs,
+                        poisoned_workspace, same_bytes, split_schedule)
 from quant_bytes import KV_SCALE, decode_rows, paged_bytes, random_rows
 
 GPU = pytest.mark.gpu
@@ -478,6 +478,35 @@ def plant_scale_rise(cache, q_full, form):
 def test_decode_quantized(kv_format, dtype, form, case, arch):
     """Default schedule and a forced split; shared blocks, a -1-padded table, unseen rows NaN."""
     run_decode_case(kv_format, dtype, case, form, arch)
+
+
+@GPU
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("case", ["sq1-h20-splits40", "sq1-h16-combine"])
+def test_decode_quantized_in_cuda_graph(kv_format, case, arch):
+    """A split decode captured in a CUDA graph, then replayed into NaN outputs and a 0xFF workspace: the
+    combine must read the partials of this replay's attention kernel (on Hopper it is launched as a
+    programmatic dependent launch and waits for that grid in the kernel), and nothing of the capture."""
+    dtype, c = torch.bfloat16, DECODE_CASES[case]
+    cache, q_full = decode_data(kv_format, dtype, case)
+    dev = DeviceCache(cache, "paged")
+    q = q_view(q_full.cuda(), c["heads"])
+    seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device="cuda")
+    schedule = schedules(c["splits"], dev.width_positions, q.shape[0] * q.shape[1], c["heads"])[1][0]
+    out, lse = nan_outputs(q, q.shape[:3])
+    workspace = poisoned_workspace(schedule, q.device)
+    graph = capture_graph(lambda: mla_kv.decode(q, seq_lens=seq_lens, softmax_scale=SOFTMAX_SCALE, out=out, lse=lse,
+                                                workspace=workspace, schedule=schedule, arch=arch, **dev.kwargs))
+    for buffer, value in ((out, float("nan")), (lse, float("nan")), (workspace, 0xFF)):
+        buffer.fill_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    what = f"{kv_format} {case} graph replay splits={schedule.num_splits}"
+    refs = decode_refs(kv_format, dtype, case, "paged")
+    if narrow_kernel(arch, c["s_q"] * c["heads"], schedule):
+        check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
+    else:
+        check_both(out.cpu(), lse.cpu(), refs, dtype, what)
 
 
 @GPU

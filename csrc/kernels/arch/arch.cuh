@@ -140,6 +140,22 @@ __device__ __forceinline__ uint2 load_shared_8(const void* p) {
   return r;
 }  // sanitize-allow: merge-reads }
 
+// Programmatic dependent launch (sm90): a grid that runs launch_dependents lets the next kernel of
+// its stream, when launched with programmatic stream serialization, start before it ends; that
+// kernel runs wait_for_prior_grid before it reads anything the grid wrote (the wait returns once
+// the grid has completed and its writes are visible). Both do nothing on older targets, and the
+// wait returns at once in a kernel launched in plain stream order.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Host side: the widest access (16 bytes, else two elements, else 0 = unsupported) that every
 // given address and byte stride/offset of an op allows.
 inline int64_t widest_access(int64_t elem_bytes, std::initializer_list<const void*> ptrs,

@@ -12,9 +12,15 @@ namespace attention_detail {
 template <class A, class T, class Rows, KvFormat F>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream);
 
+// How the combine follows the attention kernel. kEarly: as a programmatic dependent launch, for the
+// Hopper kernels, which run arch::launch_dependents as they start: the combine's CTAs are scheduled
+// while the attention grid runs and wait for its end in the kernel, which takes the launch gap
+// between the two off a split call. kAfter: in plain stream order.
+enum class CombineLaunch { kAfter, kEarly };
+
 // The split-KV combine after a launch with num_splits > 1 (combine.cu, one instantiation per dtype).
 template <class T>
-Status launch_combine(const AttentionParams& p, cudaStream_t stream);
+Status launch_combine(const AttentionParams& p, CombineLaunch when, cudaStream_t stream);
 
 // Hopper: 64-row CTAs on wgmma (attention_sm90.cuh), whose shared memory per CTA is this.
 int wgmma_smem_bytes();

@@ -328,6 +328,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]: copied
     uint64_t* freed = landed + 4;  // [stage][half]: read (TMA variant)
 
+    arch::launch_dependents();  // the combine's CTAs may be scheduled now (CombineLaunch::kEarly)
     Work w;
     if (!find_work<kRows>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -725,7 +726,7 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
       if (st != Status::kOk) return st;
       AttentionParams left = p;  // the splits that the kernel's pairs left
       left.num_splits = narrow::combined_splits(p.num_splits);
-      return launch_combine<T>(left, stream);
+      return launch_combine<T>(left, CombineLaunch::kEarly, stream);
     }
   }
   if constexpr (std::is_same_v<Rows, PagedTableRows> && F == KvFormat::kNone) {
@@ -735,7 +736,7 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
     st = sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
   }
   if (st != Status::kOk) return st;
-  return launch_combine<T>(p, stream);
+  return launch_combine<T>(p, CombineLaunch::kEarly, stream);
 }
 
 }  // namespace attention_detail

@@ -489,6 +489,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
     uint64_t* empty = full + kStages;
 
+    arch::launch_dependents();  // the combine's CTAs may be scheduled now (CombineLaunch::kEarly)
     Work w;
     if (!find_work<N>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(cons
   __shared__ float weight_s[kMaxAttentionSplits];
   __shared__ float2 partial_s[kCombineWarps][kGroups][32];
   __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
+  arch::wait_for_prior_grid();  // the partials come from the attention grid (CombineLaunch::kEarly)
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int64_t flat = blockIdx.x;
   // Packed tokens past cu_q_lens[batch] belong to no sequence: no split wrote them, and their
@@ -123,6 +124,7 @@ constexpr int kFewSplits = 8;
 
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(const AttentionParams p) {
+  arch::wait_for_prior_grid();  // as in combine_splits_kernel
   const int64_t total_rows = p.total_q_tokens * p.num_heads;
   const int lane = threadIdx.x & 31;
   const int64_t flat = int64_t(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
@@ -192,26 +194,39 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_few_splits_kernel(
         denom > 0.f ? m + logf(denom) : -INFINITY;
 }
 
-// Merges the splits of a launch (nothing to do for one split).
-template <class T>
-Status launch_combine(const AttentionParams& p, cudaStream_t stream) {
-  if (p.num_splits == 1) return Status::kOk;  // (dispatch checked 1 <= num_splits <= kMaxAttentionSplits)
-  const int64_t rows_total = p.total_q_tokens * p.num_heads;
-  if (p.num_splits <= kFewSplits) {
-    combine_few_splits_kernel<T>
-        <<<unsigned((rows_total + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32, 0, stream>>>(p);
-  } else {
-    const int chunks = combine_chunks(p.num_splits);
-    const dim3 grid(unsigned(rows_total), chunks);
-    if (chunks == 8) combine_splits_kernel<T, kCombineGroups / 8><<<grid, kCombineWarps * 32, 0, stream>>>(p);
-    else if (chunks == 2) combine_splits_kernel<T, kCombineGroups / 2><<<grid, kCombineWarps * 32, 0, stream>>>(p);
-    else combine_splits_kernel<T, kCombineGroups><<<grid, kCombineWarps * 32, 0, stream>>>(p);
-  }
+// One combine kernel's launch, in stream order or as a programmatic dependent launch.
+template <class Kernel>
+Status launch_combine_kernel(Kernel kernel, dim3 grid, const AttentionParams& p, CombineLaunch when, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kCombineWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early;
+  config.numAttrs = when == CombineLaunch::kEarly ? 1 : 0;
+  if (cudaLaunchKernelEx(&config, kernel, p) != cudaSuccess) return Status::kCudaError;
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
-template Status launch_combine<__half>(const AttentionParams&, cudaStream_t);
-template Status launch_combine<__nv_bfloat16>(const AttentionParams&, cudaStream_t);
+// Merges the splits of a launch (nothing to do for one split).
+template <class T>
+Status launch_combine(const AttentionParams& p, CombineLaunch when, cudaStream_t stream) {
+  if (p.num_splits == 1) return Status::kOk;  // (dispatch checked 1 <= num_splits <= kMaxAttentionSplits)
+  const int64_t rows_total = p.total_q_tokens * p.num_heads;
+  if (p.num_splits <= kFewSplits)
+    return launch_combine_kernel(combine_few_splits_kernel<T>, dim3(unsigned((rows_total + kCombineWarps - 1) / kCombineWarps)),
+                                 p, when, stream);
+  const int chunks = combine_chunks(p.num_splits);
+  const dim3 grid(unsigned(rows_total), chunks);
+  if (chunks == 8) return launch_combine_kernel(combine_splits_kernel<T, kCombineGroups / 8>, grid, p, when, stream);
+  if (chunks == 2) return launch_combine_kernel(combine_splits_kernel<T, kCombineGroups / 2>, grid, p, when, stream);
+  return launch_combine_kernel(combine_splits_kernel<T, kCombineGroups>, grid, p, when, stream);
+}
+
+template Status launch_combine<__half>(const AttentionParams&, CombineLaunch, cudaStream_t);
+template Status launch_combine<__nv_bfloat16>(const AttentionParams&, CombineLaunch, cudaStream_t);
 
 }  // namespace attention_detail
 }  // namespace mla_kv

@@ -424,7 +424,7 @@ Status launch_tiles(const AttentionParams& p, const Rows& rows, int config, int 
 template <class A, class T, class Rows, KvFormat kFormat>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
   const Status s = launch_tiles<A, T, Rows, kFormat>(p, rows, config, grid_x, stream);
-  return s == Status::kOk ? launch_combine<T>(p, stream) : s;
+  return s == Status::kOk ? launch_combine<T>(p, CombineLaunch::kAfter, stream) : s;
 }
 
 }  // namespace attention_detail
