@@ -487,7 +487,7 @@ def test_decode_quantized_in_cuda_graph(kv_format, case, arch):
     """A split decode captured in a CUDA graph, then replayed into NaN outputs and a 0xFF workspace: the
     combine must read the partials of this replay's attention kernel (on Hopper it is launched as a
     programmatic dependent launch and waits for that grid in the kernel), and nothing of the capture."""
-    dtype, c = torch.bfloat16, DECODE_CASES[case]
+    dtype, c = (torch.float16 if arch in ("sm70", "sm75") else torch.bfloat16), DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
     dev = DeviceCache(cache, "paged")
     q = q_view(q_full.cuda(), c["heads"])

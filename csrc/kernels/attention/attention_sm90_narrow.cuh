@@ -489,7 +489,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
     uint64_t* empty = full + kStages;
 
-    arch::launch_dependents();  // the combine's CTAs may be scheduled now (CombineLaunch::kEarly)
+    // The combine's CTAs may be scheduled now (CombineLaunch::kEarly); a pair has no combine after it.
+    if constexpr (!kPair) arch::launch_dependents();
     Work w;
     if (!find_work<N>(p, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
