@@ -490,6 +490,7 @@ def test_decode_quantized_in_cuda_graph(kv_format, case, arch):
     dtype, c = (torch.float16 if arch in ("sm70", "sm75") else torch.bfloat16), DECODE_CASES[case]
     cache, q_full = decode_data(kv_format, dtype, case)
     dev = DeviceCache(cache, "paged")
+    before = dev.host_memory()
     q = q_view(q_full.cuda(), c["heads"])
     seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device="cuda")
     schedule = schedules(c["splits"], dev.width_positions, q.shape[0] * q.shape[1], c["heads"])[1][0]
@@ -507,6 +508,7 @@ def test_decode_quantized_in_cuda_graph(kv_format, case, arch):
         check_attention(out.cpu(), lse.cpu(), *refs[1], f"{what} (narrow kernel) vs the spec")
     else:
         check_both(out.cpu(), lse.cpu(), refs, dtype, what)
+    assert same_bytes(dev.host_memory(), before), f"{what}: the replay changed the cache's bytes"
 
 
 @GPU
