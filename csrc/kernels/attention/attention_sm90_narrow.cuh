@@ -411,7 +411,7 @@ __device__ __forceinline__ void copy_tiles(const Rows& rows, const Work& w, unsi
 // each CTA writes half the rows: the combine's launch and pass and the fp32 partials' round trip
 // through memory are gone (H100, B = 64 ctx 4K: 1.4-3.2 us of ~65 a call). More splits keep the
 // combine: pairing 16 splits (the combine then merging 8) gained nothing at B = 8 ctx 32K.
-// (Earlier cluster merges, design-notes.md sessions 5-6, stored every value remotely or had one CTA
+// (Earlier cluster merges, tried on 2026-11-29 (design-notes.md), stored every value remotely or had one CTA
 // of the pair merge all rows; both were slower than the combine.)
 template <class T, int N>
 __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work& w, int rows_here, const float* rows_s,

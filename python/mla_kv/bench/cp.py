@@ -34,7 +34,7 @@ CTX = 128 * 1024
 SCALE = rope.mla_softmax_scale(128, 64)
 REL_TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 LSE_TOL = 1e-3
-# NVLink multicast stays off on the lent machines (it can take shared GPUs out of service).
+# NVLink multicast stays off (it can take shared GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -2,10 +2,10 @@
 by each Hopper copy mechanism, against the device copy bandwidth measured in the same run.
 
 Why: the narrow quantized decode (attention_sm90_narrow.cuh) waited on landing tiles at about one tile per
-CTA per ~3,000 cycles whatever the tile's size (RESULTS.md, "three math warpgroups at N = 16"), with free
+CTA per ~3,000 cycles whatever the tile's size (H200, 2026-12-03), with free
 ring stages. Here the copy warp's work is only the block-table lookup and the copy; consumers (two
 warpgroups taking alternate tiles) wait for a tile, read 16 bytes a thread and free it. The answer
-(RESULTS.md, session 18): every method moves tiles at 78-100% of copy, twice the rate the decode takes them.
+(H200, 2026-12-03): every method moves tiles at 78-100% of copy, twice the rate the decode takes them.
 Methods (mla_kv._C TileCopy): bulk (one cp.async.bulk per tile from one warp: the narrow kernel's way),
 pieces (N cp.async.bulk per tile, a lane each), bulk-4-warps (four copy warps, every fourth tile),
 cp.async (16 bytes a thread from a 128-thread copy warpgroup). Tiles: 64 rows of int4 (18,432 bytes),
