@@ -220,7 +220,8 @@ BAD_TARGETS = """## Targets
 @pytest.mark.parametrize("check, sample", [
     (results_length_problems, ["line"] * (MAX_RESULTS_LINES + 1)),
     (history_table_problems, ["## " + _WORD.title() + "s", ""]),
-    (history_table_problems, ["| " + _WORD + " | date | what |", "| --- | --- | --- |", "| 1 | 2026-11-29 | x |"]),
+    (history_table_problems, ["| " + _WORD + " | date | what |", "| --- | --- | --- |",
+                              "| 1 | 2026-11-29 | x |"]),
     (history_table_problems, ["| run | what |", "| --- | --- |", "| 2026-11-29 | x |", "| 2026-12-02 | y |"]),
     (target_cell_problems, BAD_TARGETS),
     (target_cell_problems, ["## Write", "text"]),
