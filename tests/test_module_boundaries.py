@@ -18,6 +18,9 @@ Rules:
    ops themselves, through ``mla_kv.reference``.)
 4. One tensor check, ``mla_kv._checks.tensor``: no other module raises its "expected a torch.Tensor"
    error itself.
+5. A Python tool of scripts/ is a module, ``scripts/<tool>.py``, behind a thin executable
+   ``scripts/<tool-with-dashes>`` that calls its ``main``; the tests import the module by name
+   (conftest puts scripts/ on sys.path), with no importlib loader for extensionless files.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ import ast
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "python" / "mla_kv"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = REPO / "python" / "mla_kv"
+SCRIPTS = REPO / "scripts"
 COMPILED = "mla_kv._C"
 COMPILED_HOME = "mla_kv._compiled"
 
@@ -213,3 +218,26 @@ def test_the_check_finds_violations(tmp_path):
                      "pkg.ops.expanded:8", "pkg.reference.quant:1"], problems
     assert "pkg.reference.quant" in imports["pkg.ops.expanded"]
     assert [m for m, used in imports.items() if "pkg._C" in used] == ["pkg._compiled", "pkg.ops.expanded"]
+
+
+def test_python_tools_are_modules_behind_thin_executables():
+    wrappers = []
+    for path in sorted(SCRIPTS.iterdir()):
+        text = path.read_text() if path.is_file() and not path.suffix else ""
+        if not text.startswith("#!") or "python" not in text.splitlines()[0]:
+            continue
+        wrappers.append(path.name)
+        module = path.name.replace("-", "_")
+        assert (SCRIPTS / f"{module}.py").is_file(), path.name
+        calls = [(n.module, [a.name for a in n.names]) for n in ast.walk(ast.parse(text))
+                 if isinstance(n, ast.ImportFrom)]
+        assert calls == [(module, ["main"])], path.name
+        assert len([line for line in text.splitlines() if line.strip()]) <= 10, path.name
+    assert {"check-sm70", "issue-floor", "mutate", "smem-report"} <= set(wrappers)
+
+
+def test_tests_import_the_tools_without_loaders():
+    for path in sorted(REPO.joinpath("tests").glob("*.py")):
+        if path.name != Path(__file__).name:
+            text = path.read_text()
+            assert "SourceFileLoader" not in text and "spec_from_loader" not in text, path.name

@@ -33,9 +33,8 @@ from typing import Optional, Tuple
 
 import torch
 
-# cache_block_size and check_kv_scale are layout facts (mla_kv.layout), named here too for the spec's readers.
-from ..layout import (LATENT_DIM, ROPE_DIM, ROW_DIM, TRAILER_FORMATS, block_bytes, cache_block_size,  # noqa: F401
-                      check_kv_format, check_kv_scale, row_bytes)
+from ..layout import (LATENT_DIM, ROPE_DIM, ROW_DIM, TRAILER_FORMATS, block_bytes, cache_block_size, check_kv_format,
+                      check_kv_scale, row_bytes)
 
 E4M3_MAX = 448.0
 FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest fp32 normal: fp8_ds_mla's scale floor
