@@ -14,7 +14,9 @@ or for the test's dtype (nothing at collection needs CUDA).
 from __future__ import annotations
 
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,10 @@ def pytest_addoption(parser):
                      help="tests/test_sweep.py: 'short' (the default: a few dozen configurations per op), "
                           "'full' (1,000 per op), or comma-separated seeds to rerun (env MLA_KV_SWEEP)")
 
+
+# The tools of scripts/ are modules there (scripts/check_sm70.py behind scripts/check-sm70, ...): their
+# tests import them by name.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "scripts"))
 
 # arch fixture ids -> the ``arch`` argument of the ops (None: the GPU's best variant)
 ARCH_VARIANTS = {"best": None, "sm80": "sm80", "sm75": "sm75", "sm70": "sm70"}

@@ -732,7 +732,7 @@ def test_cpu_prefill_runs_the_reference_and_leaves_padded_rows(kv_format):
 
 
 def test_cpu_quantized_attention_arguments_are_checked():
-    """Errors name the argument (messages: ops/_common.py _check_kv_format, reference/quant.py
+    """Errors name the argument (messages: ops/_common.py _check_kv_format, layout.py
     cache_block_size / check_kv_scale)."""
     cache, _ = small_cache("int8", torch.float16, [1, 16, 40], 1)
     fp8, _ = small_cache("fp8", torch.float16, [1, 16, 40], 2)

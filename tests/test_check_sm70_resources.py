@@ -6,9 +6,8 @@ import struct
 
 import pytest
 
-from scripts_loader import load_script
+import check_sm70 as gate
 
-gate = load_script("check-sm70", "check_sm70")
 
 BOUNDED = "_Z7boundedv"
 UNBOUNDED = "_Z9unboundedv"

@@ -1,11 +1,11 @@
 """The compile gate's reading of ptxas reports (scripts/check-sm70, run by CI): it must fail a build
 whose attention kernels spill registers or whose wgmma code got a wait inserted by ptxas, and pass
 the reports of a healthy build. CPU only: these are ptxas's own report lines."""
-from scripts_loader import load_script
+import check_sm70
 
 
 def load_gate():
-    return load_script("check-sm70", "check_sm70")
+    return check_sm70
 
 
 HEALTHY = """ptxas info    : Compiling entry function '_ZN6mla_kv16attention_detail4sm9022attention_wgmma_kernel' for 'sm_90a'

@@ -6,9 +6,8 @@ import struct
 
 import pytest
 
-from scripts_loader import load_script
+import issue_floor as FLOOR
 
-FLOOR = load_script("issue-floor", "mla_kv_issue_floor")
 
 NARROW_INT4_N24 = ("_ZN6mla_kv16attention_detail6narrow23attention_narrow_kernelI13__nv_bfloat16NS_14PagedTableRows"
                    "ELNS_8KvFormatE4ELi24ELb0EEEvNS_15AttentionParamsET0_")

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts_loader import load_script
+import mutate as MUTATE
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "mutate"
 
 
-MUTATE = load_script("mutate", "mla_kv_mutate")
 CATALOG = MUTATE.load_mutations_module()
 MUTATIONS = CATALOG.MUTATIONS
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts_loader import load_script
+import sanitize_calls as sanitize
 
-sanitize = load_script("sanitize_calls.py", "sanitize_calls")
 
 WGMMA = ("void mla_kv::attention_detail::sm90::attention_wgmma_kernel<__half, mla_kv::PagedTableRows, (bool)1>"
          "(mla_kv::AttentionParams, T2, CUtensorMap_st)")

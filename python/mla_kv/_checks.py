@@ -1,7 +1,9 @@
-"""Checks of scalar arguments, shared by the ops, the references, rope, weights and the planner.
+"""Checks of arguments, shared by the ops, the references, rope, weights, parallel and the planner.
 
-Each returns the value as a plain Python int or float, or raises a TypeError (not a number of that
-kind) or a ValueError (out of range) whose message starts with the argument's name.
+The scalar checks return the value as a plain Python int or float; ``tensor`` checks a tensor
+argument and returns it. Each raises a TypeError (not a number of that kind, not a tensor, a wrong
+dtype) or a ValueError (out of range, a wrong shape or layout) whose message starts with the
+argument's name.
 """
 from __future__ import annotations
 
@@ -52,3 +54,24 @@ def real(name: str, value, *, above: Optional[float] = None, at_least: Optional[
         need = " and ".join(f"{op} {bound}" for op, bound in limits)
         raise ValueError(f"{name}: must be {need}, got {number!r}")
     return number
+
+
+def tensor(name: str, t, *, dims: Optional[int] = None, last: Optional[int] = None, dtype=None, dtypes=None,
+           last_contiguous: bool = False, contiguous: bool = False) -> torch.Tensor:
+    """A torch.Tensor with ``dims`` dims, a last dim of size ``last``, dtype ``dtype`` (or one of
+    ``dtypes``), contiguous or with a contiguous last dim, as asked (None / False: anything)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
+    if last is not None and t.shape[-1] != last:
+        raise ValueError(f"{name}: the last dim must be {last}, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype must be one of {', '.join(map(str, dtypes))}, got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (got strides {t.stride()})")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (got strides {t.stride()})")
+    return t

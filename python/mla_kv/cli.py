@@ -317,10 +317,9 @@ def _info(args) -> int:
 
     compiled = None
     if _build_info is not None and _build_info.WITH_CUDA:
-        try:
-            from . import _C as compiled
-        except ImportError as e:
-            print(f"             the compiled module does not load: {e}")
+        from ._compiled import _C as compiled, load_error
+        if compiled is None:
+            print(f"             the compiled module does not load: {load_error}")
 
     if not torch.cuda.is_available():
         print("GPU          none found: the reference (PyTorch) path only")

@@ -11,10 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
-try:  # the compiled kernels are absent in a reference-only install
-    from . import _C
-except ImportError:  # pragma: no cover - depends on the build
-    _C = None
+from ._compiled import _C
 
 
 @dataclass(frozen=True)

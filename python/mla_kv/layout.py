@@ -90,6 +90,31 @@ def bytes_per_token(kv_format=None, dtype=torch.float16) -> int:
     return block_bytes(kv_format, 1, dtype)
 
 
+def check_kv_scale(kv_scale, name: str = "kv_scale") -> float:
+    """fp8's dequant scale as a float: finite and > 0."""
+    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not 0 < float(kv_scale) < float("inf"):
+        raise ValueError(f"{name}: the fp8 format needs a finite dequant scale > 0, got {kv_scale!r}")
+    return float(kv_scale)
+
+
+def cache_block_size(kv_cache: torch.Tensor, kv_format: str, scale_dtype: torch.dtype) -> int:
+    """Checks a quantized paged cache and returns its block size (TypeError / ValueError naming
+    kv_cache otherwise): uint8 [num_blocks, block_size, row_bytes] for the
+    per-row formats, uint8 [num_blocks, block_bytes] (rows, then the trailer) for int8 / int4."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.uint8:
+        raise TypeError(f"kv_cache: a {kv_format} cache is uint8, got {getattr(kv_cache, 'dtype', type(kv_cache))}")
+    if kv_format in TRAILER_FORMATS:
+        per_token = block_bytes(kv_format, 1, scale_dtype)
+        if kv_cache.dim() != 2 or kv_cache.shape[1] % per_token:
+            raise ValueError(f"kv_cache: {kv_format} blocks are [num_blocks, block_size x {per_token}] bytes, got "
+                             f"{tuple(kv_cache.shape)}")
+        return kv_cache.shape[1] // per_token
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != row_bytes(kv_format):
+        raise ValueError(f"kv_cache: {kv_format} is [num_blocks, block_size, {row_bytes(kv_format)}] bytes, got "
+                         f"{tuple(kv_cache.shape)}")
+    return kv_cache.shape[1]
+
+
 @dataclass
 class BlockPointerCache:
     """One layer's view of a TurboMind-style block-pointer cache.
@@ -240,8 +265,7 @@ class BlockPool:
 
     @storage.setter
     def storage(self, storage: torch.Tensor) -> None:
-        if not isinstance(storage, torch.Tensor):
-            raise TypeError(f"storage: expected a torch.Tensor, got {type(storage).__name__}")
+        _checks.tensor("storage", storage)
         shape = (self.num_layers, self.block_seq_len, ROW_DIM)
         if storage.dim() != 4 or tuple(storage.shape[1:]) != shape or storage.dtype != self.dtype:
             raise ValueError(f"storage: expected [num_blocks, {', '.join(map(str, shape))}] of {self.dtype}, "

@@ -110,8 +110,7 @@ def cp_local_lens(lens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     at global position p sees there.
     """
     _check_rank("cp", cp, rank)
-    if not isinstance(lens, torch.Tensor):
-        raise TypeError(f"lens: expected a torch.Tensor, got {type(lens).__name__}")
+    _tensor("lens", lens)
     if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
         raise TypeError(f"lens: expected an integer dtype, got {lens.dtype}")
     return torch.div(lens.long() - rank + cp - 1, cp, rounding_mode="floor").clamp_min(0).to(torch.int32)

@@ -90,7 +90,7 @@ def _device_tag() -> Optional[str]:
     """The current GPU's best attention variant (sm70 ... sm90), None without one."""
     import torch
 
-    from .ops._common import _C
+    from ._compiled import _C
 
     if _C is None or not torch.cuda.is_available():
         return None

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ._checks import integer
+from ._checks import integer, tensor
 from .layout import LATENT_DIM
 
 __all__ = [
@@ -32,19 +32,11 @@ __all__ = [
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _check_matrix(name: str, t, dims: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
-
-
 def _check_product(x_name: str, x, w_name: str, w) -> None:
     """x [..., H, k] times the per-head weights w [H, *, *]: floating tensors on one device. (An
     integer x would make the einsum round the weights to integers.)"""
-    _check_matrix(w_name, w, 3)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{x_name}: expected a torch.Tensor, got {type(x).__name__}")
+    tensor(w_name, w, dims=3)
+    tensor(x_name, x)
     for name, t in ((x_name, x), (w_name, w)):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
@@ -63,7 +55,7 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
 
     Views of ``weight`` (no copy), in its dtype and device.
     """
-    _check_matrix("weight", weight, 2)
+    tensor("weight", weight, dims=2)
     num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank = (integer(name, v, 1) for name, v in (
         ("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim),
         ("kv_lora_rank", kv_lora_rank)))
@@ -101,8 +93,8 @@ def fold_q_b_proj(q_b_weight: torch.Tensor, w_uk: torch.Tensor, num_heads: int,
     w_uk[h]^T @ W_nope[h]; its rope rows are copied. Computed in float32 (float64 for float64) and
     returned in q_b_weight's dtype.
     """
-    _check_matrix("q_b_weight", q_b_weight, 2)
-    _check_matrix("w_uk", w_uk, 3)
+    tensor("q_b_weight", q_b_weight, dims=2)
+    tensor("w_uk", w_uk, dims=3)
     num_heads, qk_nope_head_dim, qk_rope_head_dim = (integer(name, v, 1) for name, v in (
         ("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim)))
     head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -124,8 +116,8 @@ def fold_o_proj(o_weight: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     Column block h of the result is o_weight[:, h*v:(h+1)*v] @ w_uv[h]. Computed in float32 (float64 for
     float64) and returned in o_weight's dtype.
     """
-    _check_matrix("o_weight", o_weight, 2)
-    _check_matrix("w_uv", w_uv, 3)
+    tensor("o_weight", o_weight, dims=2)
+    tensor("w_uv", w_uv, dims=3)
     heads, v_dim, rank = w_uv.shape
     if o_weight.shape[1] != heads * v_dim:
         raise ValueError(f"o_weight: expected {heads} x {v_dim} columns to match w_uv, "
@@ -156,7 +148,7 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     AutoAWQ; the product is exact in float32, so float16 results round once).
     """
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        _check_matrix(name, t, 2)
+        tensor(name, t, dims=2)
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name}: expected dtype torch.int32, got {t.dtype}")

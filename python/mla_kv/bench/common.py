@@ -163,7 +163,7 @@ def tflops_text(ceilings: dict) -> str:
 def kernel_arch(dtype: torch.dtype, arch: Optional[str] = None):
     """The _C.Arch of the attention kernel that runs ``dtype`` on the current GPU, as the ops pick it:
     ``arch`` (sm70 ... sm90) or the best compiled variant at or below the GPU."""
-    from mla_kv.ops import _C
+    from mla_kv._compiled import _C
 
     major, minor = torch.cuda.get_device_capability()
     tag = _C.resolve_arch(getattr(_C.Arch, arch) if arch else _C.Arch.auto, major * 10 + minor)
@@ -176,7 +176,7 @@ def kernel_arch(dtype: torch.dtype, arch: Optional[str] = None):
 def mma_ceiling(dtype: torch.dtype, arch=None) -> float:
     """FLOP/s of the tensor-core instruction the attention kernel of ``arch`` (default: the GPU's
     best) uses: mma.sync m16n8k16 (sm80) or wgmma m64n256k16 (sm90)."""
-    from mla_kv.ops import _C as c
+    from mla_kv._compiled import _C as c
 
     tag = kernel_arch(dtype, arch)
     blocks = 4 * torch.cuda.get_device_properties(0).multi_processor_count

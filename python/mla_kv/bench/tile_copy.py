@@ -57,7 +57,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     if torch.cuda.get_device_capability() < (9, 0):
         print("tile_copy: needs an sm_90 GPU (cp.async.bulk and mbarriers with transaction counts)", file=sys.stderr)
         return 1
-    from mla_kv import _C as c
+    from mla_kv._compiled import _C as c
     copy = common.copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     per_block = c.device_smem_limits().per_block

@@ -13,11 +13,13 @@ no host synchronization or allocation otherwise, so they can be captured in CUDA
 The ops live by family: ``write`` (write_kv, fused_write_kv and their block-pointer forms),
 ``attention`` (attention_schedule, decode, prefill, merge_states), ``expanded`` (prefill_expanded and
 its expanded_attention kernel) and ``gather`` (gather_kv); ``_common``
-holds what they share (the compiled module ``_C``, the argument checks, the cache conversions).
+holds what they share (the argument checks, the choice of kernel variant, the cache conversions); ``_C``
+is the compiled module (mla_kv._compiled, None without the kernels).
 ``library`` registers every op as a torch.library custom op, ``torch.ops.mla_kv.<name>``, for
 torch.compile and CUDA graphs (see its docstring for the schemas).
 """
-from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
+from .._compiled import _C  # noqa: F401 (the compiled kernels, None without them)
+from ._common import kernels_available
 from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
 from .expanded import expanded_attention, prefill_expanded, prefill_expanded_workspace_size

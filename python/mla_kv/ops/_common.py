@@ -1,5 +1,5 @@
-"""What the op families share: the compiled module, the argument checks, the choice of kernel variant and
-the cache arguments' conversion to their _C forms."""
+"""What the op families share: the argument checks (the attention ops' inputs included), the choice of
+kernel variant and the cache arguments' conversion to their _C forms."""
 from __future__ import annotations
 
 import functools
@@ -8,13 +8,10 @@ from typing import Optional
 
 import torch
 
-from ..layout import LATENT_DIM, ROW_DIM, TRAILER_FORMATS, BlockPointerCache, check_kv_format, row_bytes
-from ..reference import quant as _quant
-
-try:  # the compiled kernels are absent in a reference-only install
-    from .. import _C
-except ImportError:  # pragma: no cover - depends on the build
-    _C = None
+from .._checks import tensor
+from .._compiled import _C
+from ..layout import (LATENT_DIM, ROW_DIM, TRAILER_FORMATS, BlockPointerCache, cache_block_size, check_kv_format,
+                      check_kv_scale, row_bytes)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ARCH_TAGS = ("sm70", "sm75", "sm80", "sm90")
@@ -26,21 +23,7 @@ def kernels_available() -> bool:
 
 
 # ----------------------------------------------------------------------------------- checks
-def _tensor(name: str, t, *, dims: Optional[int] = None, dtype=None, dtypes=None,
-            last_contiguous: bool = False, contiguous: bool = False) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dims is not None and t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype must be one of {', '.join(map(str, dtypes))}, got {t.dtype}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (got strides {t.stride()})")
-    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: the last dim must be contiguous (got strides {t.stride()})")
-    return t
+_tensor = tensor  # the tensor check every module shares (mla_kv._checks), under the ops' name
 
 
 def _size(name: str, t: torch.Tensor, dim: int, expected: int, *, at_least: bool = False) -> None:
@@ -177,16 +160,16 @@ def _check_kv_format(kv_format, kv_scale, dtype, names=("kv_format", "kv_scale",
         raise TypeError(f"{names[2]}: a {kv_format} cache is written from and read into float16 or bfloat16, "
                         f"got {dtype}")
     if kv_format == "fp8":
-        return _quant.check_kv_scale(kv_scale, names[1])
+        return check_kv_scale(kv_scale, names[1])
     if kv_scale is not None:
         raise ValueError(f"{names[1]}: only the fp8 format takes a scale; {kv_format} keeps its own, got {kv_scale!r}")
     return None
 
 
 def _check_quantized_paged_cache(kv_cache, kv_format, dtype) -> int:
-    """A quantized paged cache (layouts in mla_kv.reference.quant) -> its block size; 16-byte aligned
-    blocks and rows, the bytes of a row (of a block, for int8 / int4) contiguous."""
-    block_size = _quant.cache_block_size(kv_cache, kv_format, dtype)
+    """A quantized paged cache (layouts in mla_kv.layout) -> its block size; 16-byte aligned blocks and
+    rows, the bytes of a row (of a block, for int8 / int4) contiguous."""
+    block_size = cache_block_size(kv_cache, kv_format, dtype)
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache: the last dim must be contiguous (got strides {kv_cache.stride()})")
     if kv_cache.device.type == "cuda" and (kv_cache.data_ptr() % 16 or any(s % 16 for s in kv_cache.stride()[:-1])):
@@ -234,3 +217,68 @@ def _blocks_cache(cache: BlockPointerCache):
                        *_c_format(cache.kv_format, cache.kv_scale))
     return _C.BlockPointerCache(cache.block_ptrs.data_ptr(), cache.cu_block_nums.data_ptr(), cache.batch,
                                 cache.block_seq_len, cache.layer_offset_bytes, row)
+
+
+# ------------------------------------------------------------------------ attention inputs
+def _lse_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the CPU reference's checking precision)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_q(q, dims) -> None:
+    # The kernels take fp16/bf16; the CPU reference any float dtype (float64 for checking).
+    _tensor("q", q)
+    dtypes = (torch.float16, torch.bfloat16) if q.device.type == "cuda" else (*_DTYPES, torch.float64)
+    _tensor("q", q, dims=dims, dtypes=dtypes, last_contiguous=True)
+    _size("q", q, dims - 1, ROW_DIM)
+
+
+def _check_vector_aligned(name, t) -> None:
+    """The attention kernels move q, cache and out rows in 16-byte vectors."""
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
+                         f"elements (got strides {t.stride()})")
+
+
+def _check_blocks_read(cache, dtype, batch) -> None:
+    _check_block_pointer_cache(cache, dtype)
+    if cache.batch != batch:
+        raise ValueError(f"cache.cu_block_nums: describes {cache.batch} sequences, q has {batch}")
+
+
+def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_format, kv_scale):
+    """-> (device, CacheSource). A paged cache holds rows of q's dtype, or (kv_format) quantized bytes
+    whose compute dtype is q's; a BlockPointerCache carries its own format."""
+    if isinstance(cache, BlockPointerCache):
+        if kv_format is not None or kv_scale is not None:
+            raise ValueError("kv_format / kv_scale: a BlockPointerCache carries its own (cache.kv_format, "
+                             "cache.kv_scale)")
+        _check_blocks_read(cache, q.dtype, batch)
+        source = CacheSource(cache.kv_format, cache.kv_scale, cache.block_seq_len, q.dtype)
+    elif kv_format is None:
+        _check_kv_format(None, kv_scale, q.dtype)
+        _check_paged_cache(cache)
+        if cache.dtype != q.dtype:
+            raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
+        _check_block_table(block_table, batch)
+        _check_vector_aligned("kv_cache", cache)
+        source = CacheSource(None, None, cache.shape[1], q.dtype)
+    else:
+        scale = _check_kv_format(kv_format, kv_scale, q.dtype, names=("kv_format", "kv_scale", "q"))
+        block_size = _check_quantized_paged_cache(cache, kv_format, q.dtype)
+        _check_block_table(block_table, batch)
+        source = CacheSource(kv_format, scale, block_size, q.dtype)
+    _check_vector_aligned("q", q)
+    return _same_device(**device_tensors), source
+
+
+def _packed_batch(causal, cu_q_lens, kv_lens) -> int:
+    """The checks of a packed (prefill) call's causal flag and lengths -> the batch."""
+    if not isinstance(causal, bool):  # a truthy string or None would silently pick a mask
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    if cu_q_lens.shape[0] < 2:
+        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
+    batch = cu_q_lens.shape[0] - 1
+    _check_lens("kv_lens", kv_lens, batch)
+    return batch

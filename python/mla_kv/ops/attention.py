@@ -9,12 +9,12 @@ import torch
 
 from .. import reference
 from .._checks import integer, real
+from .._compiled import _C
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
-from ..layout import LATENT_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_block_pointer_cache,
-                      _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
-                      _check_quantized_paged_cache, _kernel_arch, _paged_cache, _result_tensor, _same_device,
-                      _size, _stream, _tensor, _validate_table)
+from ..layout import LATENT_DIM, BlockPointerCache
+from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_attention_inputs, _check_lens,
+                      _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch, _paged_cache,
+                      _result_tensor, _same_device, _stream, _tensor, _validate_table)
 
 
 @dataclass(frozen=True)
@@ -111,19 +111,6 @@ def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: in
     return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
 
 
-def _lse_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32, or float64 for float64 inputs (the CPU reference's checking precision)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _check_q(q, dims) -> None:
-    # The kernels take fp16/bf16; the CPU reference any float dtype (float64 for checking).
-    _tensor("q", q)
-    dtypes = (torch.float16, torch.bfloat16) if q.device.type == "cuda" else (*_DTYPES, torch.float64)
-    _tensor("q", q, dims=dims, dtypes=dtypes, last_contiguous=True)
-    _size("q", q, dims - 1, ROW_DIM)
-
-
 def _schedule_cover(blocks, max_kv, validate, have, size) -> int:
     """The kv positions a schedule must cover: the block table's width for the paged layout; for
     block pointers the longest block list, known on the host only with validate=True (else 0)."""
@@ -204,50 +191,11 @@ def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, 
                                _stream(q.device))
 
 
-def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_format, kv_scale):
-    """-> (device, CacheSource). A paged cache holds rows of q's dtype, or (kv_format) quantized bytes
-    whose compute dtype is q's; a BlockPointerCache carries its own format."""
-    if isinstance(cache, BlockPointerCache):
-        if kv_format is not None or kv_scale is not None:
-            raise ValueError("kv_format / kv_scale: a BlockPointerCache carries its own (cache.kv_format, "
-                             "cache.kv_scale)")
-        _check_blocks_read(cache, q.dtype, batch)
-        source = CacheSource(cache.kv_format, cache.kv_scale, cache.block_seq_len, q.dtype)
-    elif kv_format is None:
-        _check_kv_format(None, kv_scale, q.dtype)
-        _check_paged_cache(cache)
-        if cache.dtype != q.dtype:
-            raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
-        _check_block_table(block_table, batch)
-        _check_vector_aligned("kv_cache", cache)
-        source = CacheSource(None, None, cache.shape[1], q.dtype)
-    else:
-        scale = _check_kv_format(kv_format, kv_scale, q.dtype, names=("kv_format", "kv_scale", "q"))
-        block_size = _check_quantized_paged_cache(cache, kv_format, q.dtype)
-        _check_block_table(block_table, batch)
-        source = CacheSource(kv_format, scale, block_size, q.dtype)
-    _check_vector_aligned("q", q)
-    return _same_device(**device_tensors), source
-
-
 def _reference_format(source: CacheSource) -> dict:
     """The reference's keywords for a (CPU) paged cache of this format."""
     if source.kv_format is None:
         return {}
     return dict(kv_format=source.kv_format, kv_scale=source.kv_scale, scale_dtype=source.dtype)
-
-
-def _check_vector_aligned(name, t) -> None:
-    """The attention kernels move q, cache and out rows in 16-byte vectors."""
-    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
-        raise ValueError(f"{name}: data pointer must be 16-byte aligned and strides multiples of 8 "
-                         f"elements (got strides {t.stride()})")
-
-
-def _check_blocks_read(cache, dtype, batch) -> None:
-    _check_block_pointer_cache(cache, dtype)
-    if cache.batch != batch:
-        raise ValueError(f"cache.cu_block_nums: describes {cache.batch} sequences, q has {batch}")
 
 
 def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
@@ -308,18 +256,6 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
     _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits)
     return out, lse
-
-
-def _packed_batch(causal, cu_q_lens, kv_lens) -> int:
-    """The checks of a packed (prefill) call's causal flag and lengths -> the batch."""
-    if not isinstance(causal, bool):  # a truthy string or None would silently pick a mask
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
-    if cu_q_lens.shape[0] < 2:
-        raise ValueError("cu_q_lens: needs at least 2 entries (batch >= 1)")
-    batch = cu_q_lens.shape[0] - 1
-    _check_lens("kv_lens", kv_lens, batch)
-    return batch
 
 
 def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,

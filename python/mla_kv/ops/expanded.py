@@ -29,11 +29,12 @@ import torch
 
 from .. import reference
 from .._checks import integer, real
+from .._compiled import _C
 from ..gpus import LimitsSpec, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _DTYPES, _aligned, _capability, _check_lens, _kernel_arch, _result_tensor, _same_device,
-                      _size, _stream, _tensor, _validate_table)
-from .attention import _check_attention_inputs, _lse_dtype, _packed_batch, merge_states
+from ._common import (_DTYPES, _aligned, _capability, _check_attention_inputs, _kernel_arch, _lse_dtype,
+                      _packed_batch, _result_tensor, _same_device, _size, _stream, _tensor, _validate_table)
+from .attention import merge_states
 from .gather import gather_kv
 
 # The memory-efficient kernel's mask types (custom_mask_type): none, and causal aligned top-left (query i

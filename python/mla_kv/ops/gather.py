@@ -6,8 +6,9 @@ from typing import Optional
 import torch
 
 from .. import reference
+from .._compiled import _C
 from ..layout import ROW_DIM, BlockPointerCache
-from ._common import (_C, _DTYPES, CacheSource, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
+from ._common import (_DTYPES, CacheSource, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
                       _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
                       _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device, _size, _stream,
                       _tensor, _validate_table)

@@ -98,10 +98,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .._compiled import _C
 from ..gpus import smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache
 from . import attention as _attention, expanded as _expanded, gather as _gather, write as _write
-from ._common import _C, _tensor
+from ._common import _check_q, _lse_dtype, _tensor
 
 Tensor = torch.Tensor
 
@@ -149,7 +150,7 @@ def _schedule(q: Tensor, dims: int, num_splits, tokens_per_split, smem_limits,
         return None
     if num_splits is None or tokens_per_split is None:
         raise ValueError("num_splits / tokens_per_split: pass both (a schedule) or neither (the default schedule)")
-    _attention._check_q(q, dims)
+    _check_q(q, dims)
     limits = _smem_limits(None if smem_limits is None else tuple(smem_limits))
     need = 0  # an invalid split count is reported by the op (on CUDA; the reference takes no schedule)
     if _C is not None and _C.attention_splits_valid(num_splits, tokens_per_split, 0):
@@ -312,20 +313,20 @@ def _writes_only(*args, **kwargs) -> None:
 def _attention_fake(dims: int):
     """out [..., H, 512] in q's dtype and lse [..., H] (float32; float64 for float64 q) for q of ``dims`` dims."""
     def fake(q, *args, **kwargs):
-        _attention._check_q(q, dims)
+        _check_q(q, dims)
         rows = q.shape[:-1]
-        return q.new_empty((*rows, LATENT_DIM)), q.new_empty(rows, dtype=_attention._lse_dtype(q))
+        return q.new_empty((*rows, LATENT_DIM)), q.new_empty(rows, dtype=_lse_dtype(q))
     return fake
 
 
 def _prefill_expanded_fake(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv, *args, **kwargs):
     """out [T, H, d_v] in q's dtype (d_v: w_uv's dim 1) and lse [T, H]."""
     rows = q.shape[:-1]
-    return q.new_empty((*rows, w_uv.shape[1])), q.new_empty(rows, dtype=_attention._lse_dtype(q))
+    return q.new_empty((*rows, w_uv.shape[1])), q.new_empty(rows, dtype=_lse_dtype(q))
 
 
 def _merge_states_fake(out_a, lse_a, out_b, lse_b):
-    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=_attention._lse_dtype(out_a))
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=_lse_dtype(out_a))
 
 
 # (function, the arguments it writes, its fake)

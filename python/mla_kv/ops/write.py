@@ -9,8 +9,9 @@ import torch
 
 from .. import reference
 from .._checks import integer, real
+from .._compiled import _C
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_kv_format,
+from ._common import (_aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_kv_format,
                       _check_paged_cache, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device,
                       _size, _stream, _tensor)
 

@@ -5,23 +5,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import real
+from .._checks import real, tensor
 from ..layout import BlockPool, to_latent_first
 
 
 # ----------------------------------------------------------------------------------- checks
-def _check_tensor(name: str, t, dims: int, last: Optional[int] = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
-    if last is not None and t.shape[-1] != last:
-        raise ValueError(f"{name}: the last dim must be {last}, got shape {tuple(t.shape)}")
-
-
 def _check_index(name: str, t, dims: int) -> torch.Tensor:
     """An integer index tensor, returned on the host as int64."""
-    _check_tensor(name, t, dims)
+    tensor(name, t, dims=dims)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer dtype, got {t.dtype}")
     return t.detach().cpu().long()
@@ -62,8 +53,7 @@ def _result(name: str, given: Optional[torch.Tensor], value: torch.Tensor,
     given, else returns it."""
     if given is None:
         return value
-    if not isinstance(given, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(given).__name__}")
+    tensor(name, given)
     if given.shape != value.shape:
         raise ValueError(f"{name}: expected shape {tuple(value.shape)}, got {tuple(given.shape)}")
     if given.dtype != value.dtype:

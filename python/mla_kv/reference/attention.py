@@ -19,10 +19,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import real
+from .._checks import real, tensor
 from ..layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots
 from . import quant
-from ._common import (_check_index, _check_lengths, _check_packed, _check_table, _check_tensor, _paged_from_blocks,
+from ._common import (_check_index, _check_lengths, _check_packed, _check_table, _paged_from_blocks,
                       _result, _sequence_rows)
 
 
@@ -77,8 +77,8 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     """
     if kv_format is not None:
         kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=scale_dtype)
-    _check_tensor("q", q, 4, ROW_DIM)
-    _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
+    tensor("q", q, dims=4, last=ROW_DIM)
+    tensor("kv_cache", kv_cache, dims=3, last=ROW_DIM)
     table = _check_index("block_table", block_table, 2)
     lens = _check_index("seq_lens", seq_lens, 1)
     scale = real("softmax_scale", softmax_scale, above=0)
@@ -115,8 +115,8 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     """
     if kv_format is not None:
         kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=scale_dtype)
-    _check_tensor("q", q, 3, ROW_DIM)
-    _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
+    tensor("q", q, dims=3, last=ROW_DIM)
+    tensor("kv_cache", kv_cache, dims=3, last=ROW_DIM)
     table, cu, lens, scale = _check_packed(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale)
 
     acc = _acc_dtype(q)
@@ -147,8 +147,7 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     lse has lse_a's dtype.
     """
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        tensor(name, t)
     if out_b.shape != out_a.shape:
         raise ValueError(f"out_b: shape {tuple(out_b.shape)} differs from out_a {tuple(out_a.shape)}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):

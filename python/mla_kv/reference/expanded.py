@@ -18,9 +18,9 @@ from typing import Tuple
 
 import torch
 
-from .._checks import real
+from .._checks import real, tensor
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, block_table_slots
-from ._common import _check_cu, _check_index, _check_packed, _check_tensor, _sequence_rows
+from ._common import _check_cu, _check_index, _check_packed, _sequence_rows
 
 
 def _attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -63,7 +63,7 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_l
     cu_q_lens[B] here (the op leaves those rows of its out / lse untouched).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3)
+        tensor(name, t, dims=3)
     if not q.dtype.is_floating_point:
         raise TypeError(f"q: expected a floating-point dtype, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -110,11 +110,11 @@ def prefill_expanded(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     576] latent first; w_uk [H, d_nope, 512], w_uv [H, d_v, 512] (weights.split_kv_b_proj). Returns out
     [T, H, d_v] in q's dtype and lse [T, H] (float32; float64 for float64 q); rows past cu_q_lens[B]
     and queries that see no key are out 0, lse -inf."""
-    _check_tensor("q", q, 3)
-    _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
+    tensor("q", q, dims=3)
+    tensor("kv_cache", kv_cache, dims=3, last=ROW_DIM)
     heads = q.shape[1]
     for name, w in (("w_uk", w_uk), ("w_uv", w_uv)):
-        _check_tensor(name, w, 3, LATENT_DIM)
+        tensor(name, w, dims=3, last=LATENT_DIM)
         if w.shape[0] != heads:
             raise ValueError(f"{name}: expected {heads} heads (q's), got shape {tuple(w.shape)}")
     d_nope = w_uk.shape[1]

@@ -8,9 +8,10 @@ from typing import Optional
 
 import torch
 
+from .._checks import tensor
 from ..layout import ROW_DIM, BlockPool, block_table_slots
 from . import quant
-from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _check_tensor, _paged_from_blocks,
+from ._common import (_check_cu, _check_index, _check_lengths, _check_table, _paged_from_blocks,
                       _result, _sequence_rows)
 
 
@@ -29,7 +30,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_kv_lens: tor
     """
     if kv_format is not None:
         kv_cache = quant.dequantize_cache(kv_cache, kv_format, kv_scale=kv_scale, scale_dtype=dtype).to(dtype)
-    _check_tensor("kv_cache", kv_cache, 3, ROW_DIM)
+    tensor("kv_cache", kv_cache, dims=3, last=ROW_DIM)
     table = _check_index("block_table", block_table, 2)
     cu = _check_index("cu_kv_lens", cu_kv_lens, 1)
     _check_cu("cu_kv_lens", cu)

@@ -33,7 +33,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, TRAILER_FORMATS, block_bytes, check_kv_format, row_bytes
+from ..layout import (LATENT_DIM, ROPE_DIM, ROW_DIM, TRAILER_FORMATS, block_bytes, cache_block_size, check_kv_format,
+                      check_kv_scale, row_bytes)
 
 E4M3_MAX = 448.0
 FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest fp32 normal: fp8_ds_mla's scale floor
@@ -64,13 +65,6 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise TypeError(f"rows: expected a floating-point tensor, got {type(rows).__name__}")
     if rows.dim() == 0 or rows.shape[-1] != ROW_DIM:
         raise ValueError(f"rows: the last dim must be {ROW_DIM}, got shape {tuple(rows.shape)}")
-
-
-def check_kv_scale(kv_scale, name: str = "kv_scale") -> float:
-    """fp8's dequant scale as a float: finite and > 0."""
-    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not 0 < float(kv_scale) < float("inf"):
-        raise ValueError(f"{name}: the fp8 format needs a finite dequant scale > 0, got {kv_scale!r}")
-    return float(kv_scale)
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -182,24 +176,6 @@ def unpack_blocks(blocks: torch.Tensor, kv_format: str, block_size: int,
 
 
 # ------------------------------------------------------------------------------ paged caches
-def cache_block_size(kv_cache: torch.Tensor, kv_format: str, scale_dtype: torch.dtype) -> int:
-    """Checks a quantized paged cache and returns its block size (TypeError / ValueError naming
-    kv_cache otherwise): uint8 [num_blocks, block_size, row_bytes] for the
-    per-row formats, uint8 [num_blocks, block_bytes] (rows, then the trailer) for int8 / int4."""
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.uint8:
-        raise TypeError(f"kv_cache: a {kv_format} cache is uint8, got {getattr(kv_cache, 'dtype', type(kv_cache))}")
-    if kv_format in TRAILER_FORMATS:
-        per_token = block_bytes(kv_format, 1, scale_dtype)
-        if kv_cache.dim() != 2 or kv_cache.shape[1] % per_token:
-            raise ValueError(f"kv_cache: {kv_format} blocks are [num_blocks, block_size x {per_token}] bytes, got "
-                             f"{tuple(kv_cache.shape)}")
-        return kv_cache.shape[1] // per_token
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != row_bytes(kv_format):
-        raise ValueError(f"kv_cache: {kv_format} is [num_blocks, block_size, {row_bytes(kv_format)}] bytes, got "
-                         f"{tuple(kv_cache.shape)}")
-    return kv_cache.shape[1]
-
-
 def dequantize_cache(kv_cache: torch.Tensor, kv_format: str, *, kv_scale: Optional[float] = None,
                      scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Every row of a quantized paged cache as float32 [num_blocks, block_size, 576]: what the
