@@ -34,6 +34,7 @@ WRITES = {
     "write_kv_blocks": {"block_ptrs"}, "fused_write_kv_blocks": {"block_ptrs", "q"},
     "decode": {"workspace"}, "decode_blocks": {"workspace"}, "prefill": {"workspace"},
     "prefill_blocks": {"workspace"}, "prefill_expanded": {"workspace"}, "merge_states": set(), "gather_kv": {"out"}, "gather_kv_blocks": {"out"},
+    "expanded_attention": set(),
 }
 HAVE_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 BACKENDS = ["eager", "aot_eager",
@@ -224,6 +225,19 @@ def test_opcheck_merge_states(dtype):
     lse_a, lse_b = torch.randn(2, 7, 3, dtype=lse_dtype)
     lse_a[0, 0] = lse_b[1] = float("-inf")  # sides that saw nothing
     opcheck(OPS.merge_states.default, (out_a, lse_a, out_b, lse_b))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_opcheck_expanded_attention(causal):
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn(6, 2, 80, generator=gen), torch.randn(9, 2, 80, generator=gen)
+    v = torch.randn(9, 2, 40, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    kwargs = dict(max_q_len=4, causal=causal)
+    opcheck(OPS.expanded_attention.default, (q, k, v, cu_q, cu_k, SCALE), kwargs)
+    out, lse = OPS.expanded_attention(q, k, v, cu_q, cu_k, SCALE, smem_limits=[100_000, 200_000], **kwargs)
+    ref_out, ref_lse = mla_kv.expanded_attention(q, k, v, cu_q, cu_k, SCALE, **kwargs)
+    assert out.shape == (6, 2, 40) and same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
 
 
 @pytest.mark.parametrize("with_starts", [False, True])

@@ -10,9 +10,9 @@ import torch
 from .. import reference
 from .._checks import integer, real
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_kv_format,
-                      _check_paged_cache, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device,
-                      _size, _stream, _tensor)
+from ._common import (_C, _aligned, _blocks_cache, _c_dtype, _check_arch, _check_block_pointer_cache,
+                      _check_kv_format, _check_paged_cache, _check_quantized_paged_cache, _kernel_arch,
+                      _paged_cache, _same_device, _size, _stream, _tensor, traceable)
 
 _ROPE_STYLES = ("interleaved", "neox")
 
@@ -141,6 +141,7 @@ def _write_paged(kv_c, k_pe, target: PagedTarget, slot_mapping, fused, validate,
     return True
 
 
+@traceable
 def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
              validate: bool = False, arch: Optional[str] = None) -> None:
@@ -158,6 +159,7 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     ``arch`` forces a kernel variant ("sm70", "sm75", "sm80"; "sm90" runs the sm80 kernel) for
     testing; ``validate`` checks slot values on the host first.
     """
+    _check_arch(arch)
     target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_c", kv_c)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     _check_rows(kv_c, k_pe, slot_mapping.shape[0], target.dtype)
@@ -166,6 +168,7 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         reference.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=target.kv_scale)
 
 
+@traceable
 def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                    rope_style: str = "interleaved", q: Optional[torch.Tensor] = None,
@@ -183,6 +186,7 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
     [0, max_position) are left unwritten by the kernels (``validate=True`` raises instead).
     Reference: mla_kv.reference.fused_write_kv.
     """
+    _check_arch(arch)
     target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_a", kv_a)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     t = slot_mapping.shape[0]
@@ -279,6 +283,7 @@ def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arc
                            _stream(device))
 
 
+@traceable
 def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerCache,
                     cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
                     readonly_lens: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
@@ -299,12 +304,14 @@ def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerC
     4 * row.
     Reference: mla_kv.reference.write_kv on a layout.BlockPool layer view with layout.block_slots.
     """
+    _check_arch(arch)
     _tensor("kv_c", kv_c, dims=2, last_contiguous=True)
     to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_c.dtype)
     _check_rows(kv_c, k_pe, kv_c.shape[0], cache.dtype)
     _write_blocks(kv_c, k_pe, cache, to, None, validate, arch)
 
 
+@traceable
 def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, cache: BlockPointerCache,
                           cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
@@ -317,6 +324,7 @@ def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: flo
     q's rope part is rotated for every input row whose position lies in the rope table, also for
     rows past cu_q_lens[B] (a padded batch) and rows whose cache position is skipped (read-only,
     another rank's): every rank attends with all queries."""
+    _check_arch(arch)
     _tensor("kv_a", kv_a, dims=2, last_contiguous=True)
     to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_a.dtype)
     eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
