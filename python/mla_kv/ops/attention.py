@@ -62,7 +62,7 @@ def _schedule_device(device) -> torch.device:
 
 
 def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
-                       total_q_tokens: Optional[int] = None, device=None,
+                       total_q_tokens: Optional[int] = None, device: Union[None, str, int, torch.device] = None,
                        arch: Optional[str] = None, smem_limits: LimitsSpec = None,
                        tile_loads: str = "auto") -> AttentionSchedule:
     """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
@@ -106,8 +106,8 @@ def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
                      f"(use another arch tag, or None for the device's own)")
 
 
-def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *, device=None,
-                          arch: Optional[str] = None) -> int:
+def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
+                          device: Union[None, str, int, torch.device] = None, arch: Optional[str] = None) -> int:
     """Bytes of ``workspace`` decode needs for these sizes (0 when the KV is not split)."""
     return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
 
