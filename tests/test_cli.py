@@ -404,3 +404,33 @@ def test_demo_help_describes_the_quantized_caches(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--kv-format" in text and "for now" not in text and "read by the kernels on cuda" in text
+
+
+def test_info_names_the_gpus_the_build_cannot_run(monkeypatch, capsys):
+    """A V100 under a build without sm_70, and an sm_86 GPU under a 90-only build: no variant runs there,
+    and info says so with the way to a build that runs (a stand-in module replaces the kernels)."""
+    import types
+
+    class Arch:
+        auto, sm80, sm90 = (types.SimpleNamespace(name=n) for n in ("auto", "sm80", "sm90"))
+
+    compiled = types.SimpleNamespace(Arch=Arch, resolve_arch=lambda requested, cc: Arch.sm90 if cc >= 90 else
+                                     Arch.auto, device_smem_limits=lambda: types.SimpleNamespace(per_block=1,
+                                                                                                 per_sm=1),
+                                     attention_tiles=lambda *a: types.SimpleNamespace(block_m=0),
+                                     SmemLimits=lambda: None)
+    build_info = types.SimpleNamespace(WITH_CUDA=True, CUDA_ARCHS=["90"], CUDA_COMPILER="NVIDIA 13.0")
+    monkeypatch.setitem(sys.modules, "mla_kv._C", compiled)
+    monkeypatch.setitem(sys.modules, "mla_kv._build_info", build_info)
+    monkeypatch.setattr(mla_kv, "_C", compiled, raising=False)
+    monkeypatch.setattr(mla_kv, "_build_info", build_info, raising=False)
+    gpus = [types.SimpleNamespace(name="Tesla V100", major=7, minor=0, total_memory=32 * 2 ** 30),
+            types.SimpleNamespace(name="RTX A6000", major=8, minor=6, total_memory=48 * 2 ** 30)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[i])
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    v100, a6000 = (line for line in out.splitlines() if line.startswith("GPU "))
+    assert "sm_70" in v100 and "this build (sm_90) cannot run on this GPU" in v100 and "CUDA 12.x nvcc" in v100
+    assert "sm_86" in a6000 and "MLA_KV_CUDA_ARCHS=86" in a6000

@@ -390,7 +390,7 @@ def _info(args) -> int:
             variant = "none (no kernels in this install)"
         else:
             arch = compiled.resolve_arch(compiled.Arch.auto, cc)
-            variant = "none (no compiled target at or below this GPU)" if arch == compiled.Arch.auto else arch.name
+            variant = _cannot_run(cc, _build_info.CUDA_ARCHS) if arch == compiled.Arch.auto else arch.name
         print(f"GPU {i}        {props.name}, sm_{cc}, {props.total_memory / GiB:.1f} GiB -> kernel variant {variant}")
         if compiled is not None and arch != compiled.Arch.auto:
             with torch.cuda.device(i):
@@ -401,6 +401,17 @@ def _info(args) -> int:
             print(f"             shared memory {limits.per_block:,} B per block, {limits.per_sm:,} per SM; "
                   f"attention tiles for 16 / 32 / 64 rows: {shapes}")
     return 0
+
+
+def _cannot_run(cc: int, archs) -> str:
+    """What info says of a GPU that no compiled target serves (a target runs on its own arch and newer)."""
+    built = ", ".join(f"sm_{a}" for a in archs) or "no arch"
+    if cc < 75:
+        how = ("sm_70 needs a CUDA 12.x nvcc: CUDACXX=/usr/local/cuda-12.9/bin/nvcc MLA_KV_CUDA_ARCHS=70 "
+               "pip install .")
+    else:
+        how = f"reinstall with MLA_KV_CUDA_ARCHS={cc} (or add it to the list)"
+    return f"none: this build ({built}) cannot run on this GPU; {how}"
 
 
 def main(argv=None) -> int:
