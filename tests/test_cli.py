@@ -303,3 +303,136 @@ def test_plan_without_gpu_or_memory_exit_2(capsys):
         cli.main(["plan", "--model", "glm-4.7-flash", "--weights-gb", "18.4"])
     assert exit_info.value.code == 2
     assert "--gpu-mem-gib" in capsys.readouterr().err
+
+
+# ---- unknown options, plans that do not fit, --json PATH, a closed stdout ------------------------
+
+@pytest.mark.parametrize("args, unknown, hint", [
+    (["plan", "--modle", "glm-4.7-flash"], "--modle", "did you mean --model?"),   # was: --model is required
+    (["plan", "--model", "glm-4.7-flash", "--weight-gb", "1", "--gpu", "h200"], "--weight-gb", "--weights-gb?"),
+    (["demo", "--kvformat", "int8"], "--kvformat", "--kv-format?"),
+    (["info", "--verbose"], "--verbose", ""),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else None)
+def test_unknown_option_is_reported_first(args, unknown, hint, capsys):
+    err = assert_usage_error(args, capsys)
+    assert f"unrecognized arguments: {unknown}" in err and hint in err
+    assert "required" not in err, err
+
+
+def test_missing_required_options_are_still_reported(capsys):
+    err = assert_usage_error(["plan", "--gpu", "h200"], capsys)
+    assert "required: --model, --weights-gb" in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--kv-format", "all"], ["--tp", "2"]], ids=" ".join)
+def test_plan_with_weights_larger_than_the_gpu_exit_2(extra, capsys):
+    err = assert_usage_error(PLAN + ["--gpu-mem-gib", "24", "--weights-gb", "400", *extra], capsys)
+    assert "the weights do not fit" in err and "24.00 GiB" in err
+    assert ("/ tp 2" in err) == ("--tp" in extra)
+
+
+def test_plan_with_no_room_left_after_the_reserved_memory_exit_2(capsys):
+    err = assert_usage_error(PLAN + ["--gpu-mem-gib", "24", "--weights-gb", "20", "--reserved-gib", "8"], capsys)
+    assert "no memory is left for the KV cache" in err and "--reserved-gib" in err
+
+
+@pytest.mark.parametrize("kv_format", ["16bit", "all"])
+def test_plan_json_path_writes_what_json_alone_prints(tmp_path, capsys, kv_format):
+    """--json PATH (bench's form) writes the JSON and prints the table; --json alone prints the JSON."""
+    args = SEED_EXAMPLE + ["--kv-format", kv_format]
+    assert cli.main(args + ["--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == printed
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    path = tmp_path / "plan.json"
+    assert cli.main(args + ["--json", str(path)]) == 0
+    assert capsys.readouterr().out == table
+    assert json.loads(path.read_text()) == printed
+
+
+def test_plan_json_to_a_bad_path_exit_2(tmp_path, capsys):
+    err = assert_usage_error(SEED_EXAMPLE + ["--json", str(tmp_path / "no" / "such" / "plan.json")], capsys)
+    assert "--json" in err
+
+
+class _ClosingStdout:
+    """A stdout whose reader goes away after ``lines`` lines, as ``| head -N`` does."""
+
+    def __init__(self, lines):
+        self.left, self.text = lines, []
+
+    def write(self, s):
+        if self.left <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.text.append(s)
+        self.left -= s.count("\n")
+        return len(s)
+
+    def flush(self):
+        if self.left <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_plan_into_a_closed_pipe_stops_quietly(monkeypatch, capsys):
+    fake = _ClosingStdout(3)
+    monkeypatch.setattr(sys, "stdout", fake)
+    assert cli.main(SEED_EXAMPLE) == 141
+    assert "".join(fake.text).count("\n") >= 3 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("args", [SEED_EXAMPLE, ["demo", "--device", "cpu", "--layers", "1", "--prompt-len", "8",
+                                                 "--decode-steps", "1", "--block-size", "16", "--heads", "2"]],
+                         ids=["plan", "demo"])
+def test_closed_stdout_gives_no_traceback(args):
+    """``mla-kv demo | head -3``, the reader gone before the first line: no BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    package_root = str(Path(mla_kv.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "mla_kv.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_demo_help_describes_the_quantized_caches(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--kv-format" in text and "for now" not in text and "read by the kernels on cuda" in text
+
+
+def test_info_names_the_gpus_the_build_cannot_run(monkeypatch, capsys):
+    """A V100 under a build without sm_70, and an sm_86 GPU under a 90-only build: no variant runs there,
+    and info says so with the way to a build that runs (a stand-in module replaces the kernels)."""
+    import types
+
+    class Arch:
+        auto, sm80, sm90 = (types.SimpleNamespace(name=n) for n in ("auto", "sm80", "sm90"))
+
+    compiled = types.SimpleNamespace(Arch=Arch, resolve_arch=lambda requested, cc: Arch.sm90 if cc >= 90 else
+                                     Arch.auto, device_smem_limits=lambda: types.SimpleNamespace(per_block=1,
+                                                                                                 per_sm=1),
+                                     attention_tiles=lambda *a: types.SimpleNamespace(block_m=0),
+                                     SmemLimits=lambda: None)
+    build_info = types.SimpleNamespace(WITH_CUDA=True, CUDA_ARCHS=["90"], CUDA_COMPILER="NVIDIA 13.0")
+    monkeypatch.setitem(sys.modules, "mla_kv._C", compiled)
+    monkeypatch.setitem(sys.modules, "mla_kv._build_info", build_info)
+    monkeypatch.setattr(mla_kv, "_C", compiled, raising=False)
+    monkeypatch.setattr(mla_kv, "_build_info", build_info, raising=False)
+    monkeypatch.setattr(mla_kv._compiled, "_C", compiled)
+    monkeypatch.setattr(mla_kv._compiled, "load_error", None)
+    gpus = [types.SimpleNamespace(name="Tesla V100", major=7, minor=0, total_memory=32 * 2 ** 30),
+            types.SimpleNamespace(name="RTX A6000", major=8, minor=6, total_memory=48 * 2 ** 30)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[i])
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    v100, a6000 = (line for line in out.splitlines() if line.startswith("GPU "))
+    assert "sm_70" in v100 and "this build (sm_90) cannot run on this GPU" in v100 and "CUDA 12.x nvcc" in v100
+    assert "sm_86" in a6000 and "MLA_KV_CUDA_ARCHS=86" in a6000

@@ -1,19 +1,25 @@
 """The ``mla-kv`` command line.
 
-    mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--kv-format F|all] [--json] [--plot FILE.png]
+    mla-kv plan --model glm-4.7-flash --gpu-mem-gib 32 --weights-gb 18.4 [--kv-format F|all] [--json [PATH]]
+                [--plot FILE.png]
     mla-kv demo [--model PRESET|PATH] [--device cpu|cuda] [--layers N] [--prompt-len P] [--decode-steps N]
     mla-kv info
     mla-kv bench [--quick] [--json PATH] [--plot PATH]      (or: mla-kv bench OP [OP's options])
     mla-kv --version
 
-Bad arguments print one line to stderr and exit with code 2 (no traceback). The demo is
-mla_kv.demo, the benchmarks mla_kv.bench (which parses its own options).
+Bad arguments print one line to stderr and exit with code 2 (no traceback); an unknown option is
+reported before missing required ones. ``--json PATH`` writes JSON to PATH in plan and bench alike
+(plan's ``--json`` alone, or ``--json -``, prints it instead of the table). A closed stdout (``mla-kv demo |
+head -3``) ends the command quietly. The demo is mla_kv.demo, the benchmarks mla_kv.bench (which parses
+its own options).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
+import os
 import sys
 from typing import Optional
 
@@ -26,6 +32,34 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse checks required options before it looks for unknown ones, so ``plan --modle x`` would
+        report a missing --model; a first pass with nothing required reports the unknown option first."""
+        required = [a for p in (self, *_subparsers(self)) for a in p._actions if a.required]
+        for action in required:
+            action.required = False
+        try:
+            known, unknown = self.parse_known_args(args, namespace)
+        finally:
+            for action in required:
+                action.required = True
+        if unknown:
+            parser = getattr(known, "parser", self)
+            parser.error(_unknown_message(parser, unknown))
+        return super().parse_args(args, namespace)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list:
+    return [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
+
+
+def _unknown_message(parser: argparse.ArgumentParser, unknown: list) -> str:
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    close = (difflib.get_close_matches(unknown[0].split("=")[0], options, n=1, cutoff=0.75)
+             if unknown[0].startswith("--") else [])
+    return message + (f" (did you mean {close[0]}?)" if close else "")
 
 
 # Bounds of the memory options: far above any GPU or model, and they keep byte counts finite (and
@@ -118,7 +152,9 @@ def _build_parser() -> _Parser:
                    help="context parallel size (splits tokens: multiplies the context that fits)")
     p.add_argument("--mtp", action="store_true",
                    help="also cache the model's MTP layers (engines running MTP speculative decoding)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the plan as JSON to PATH (as mla-kv bench --json PATH does) besides the table; "
+                        "--json alone (or --json -) prints the JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="plot the context that fits vs GPU memory (matplotlib)")
     p.set_defaults(run=_plan, parser=p)
 
@@ -148,8 +184,8 @@ def _build_parser() -> _Parser:
                    help="cache block size, also used by the plan (default %(default)s)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the weights and inputs (default %(default)s)")
     p.add_argument("--kv-format", choices=[f for f in layout.KV_FORMATS if f], default=None,
-                   help="a quantized latent cache (fp8 with dequant scale 1, fp8_ds_mla, int8, int4): the error "
-                        "shown is the format's (attention reads it through the reference for now)")
+                   help="a quantized latent cache (fp8 with dequant scale 1, fp8_ds_mla, int8, int4), written "
+                        "and read by the kernels on cuda (the reference on cpu): the error shown is the format's")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", choices=list(planner.GPU_MEM_GIB), help="plan the cache for this GPU preset")
     gpu.add_argument("--gpu-mem-gib", type=_number(0, inclusive=False, maximum=_MAX_GIB), metavar="GIB",
@@ -222,17 +258,14 @@ def _plan(args) -> int:
             result = planner.plan(model, gpu_bytes, args.weights_gb * GB, **_plan_kwargs(args))
     except (ValueError, TypeError) as e:
         args.parser.error(_as_option(str(e)))
+    first = results[0] if args.kv_format == "all" else result
+    if first.free_bytes <= 0:
+        args.parser.error(_no_room(first, args))
 
     if args.kv_format == "all":
-        if args.json:
-            print(json.dumps(_formats_json(results, gpu_label), indent=2))
-        else:
-            print(planner.format_kv_formats(results, gpu_label))
+        _print_plan(args, lambda: _formats_json(results, gpu_label), planner.format_kv_formats(results, gpu_label))
         return 0
-    if args.json:
-        print(json.dumps(dict(result.to_dict(), gpu=gpu_label), indent=2))
-    else:
-        print(planner.format_plan(result, gpu_label))
+    _print_plan(args, lambda: dict(result.to_dict(), gpu=gpu_label), planner.format_plan(result, gpu_label))
     if args.plot:
         import matplotlib
 
@@ -242,9 +275,34 @@ def _plan(args) -> int:
             _plot_context(path, result, args.weights_gb * GB, _plan_kwargs(args))
         except (OSError, ValueError) as e:  # an unwritable path or an image format matplotlib lacks
             args.parser.error(f"--plot {args.plot}: {e}")
-        if not args.json:
+        if args.json != "-":
             print(f"\nplot written to {path}")
     return 0
+
+
+def _no_room(result: planner.MemoryPlan, args) -> str:
+    """Why no cache fits: the weights (per GPU) and the reserved memory take the whole GPU."""
+    weights, reserved = result.weight_bytes_per_gpu, result.reserved_bytes
+    what = "the weights do not fit" if weights >= result.gpu_mem_bytes else "no memory is left for the KV cache"
+    split = f" / tp {result.tp}" if result.tp > 1 else ""
+    return (f"{what}: weights {weights / GB:.2f} GB per GPU (--weights-gb {args.weights_gb:g}{split}) + reserved "
+            f"{reserved / GiB:.2f} GiB >= the GPU's {result.gpu_mem_bytes / GiB:.2f} GiB; use a larger GPU, a "
+            f"larger --tp or a smaller --reserved-gib")
+
+
+def _print_plan(args, as_json, table: str) -> None:
+    """The table on stdout, or with --json alone the JSON instead; --json PATH also writes it to PATH."""
+    if args.json == "-":
+        print(json.dumps(as_json(), indent=2))
+        return
+    if args.json is not None:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(as_json(), f, indent=2)
+                f.write("\n")
+        except OSError as e:
+            args.parser.error(f"--json {args.json}: {e.strerror or e}")
+    print(table)
 
 
 def _formats_json(results, gpu_label: str) -> dict:
@@ -331,7 +389,7 @@ def _info(args) -> int:
             variant = "none (no kernels in this install)"
         else:
             arch = compiled.resolve_arch(compiled.Arch.auto, cc)
-            variant = "none (no compiled target at or below this GPU)" if arch == compiled.Arch.auto else arch.name
+            variant = _cannot_run(cc, _build_info.CUDA_ARCHS) if arch == compiled.Arch.auto else arch.name
         print(f"GPU {i}        {props.name}, sm_{cc}, {props.total_memory / GiB:.1f} GiB -> kernel variant {variant}")
         if compiled is not None and arch != compiled.Arch.auto:
             with torch.cuda.device(i):
@@ -344,15 +402,44 @@ def _info(args) -> int:
     return 0
 
 
+def _cannot_run(cc: int, archs) -> str:
+    """What info says of a GPU that no compiled target serves (a target runs on its own arch and newer)."""
+    built = ", ".join(f"sm_{a}" for a in archs) or "no arch"
+    if cc < 75:
+        how = ("sm_70 needs a CUDA 12.x nvcc: CUDACXX=/usr/local/cuda-12.9/bin/nvcc MLA_KV_CUDA_ARCHS=70 "
+               "pip install .")
+    else:
+        how = f"reinstall with MLA_KV_CUDA_ARCHS={cc} (or add it to the list)"
+    return f"none: this build ({built}) cannot run on this GPU; {how}"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        from . import bench
+    try:
+        if argv[:1] == ["bench"]:
+            from . import bench
 
-        return bench.main(argv[1:], prog="mla-kv bench")
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    return args.run(args)
+            code = bench.main(argv[1:], prog="mla-kv bench")
+        else:
+            parser = _build_parser()
+            args = parser.parse_args(argv)
+            code = args.run(args)
+        sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``mla-kv demo | head -3``): stop quietly, as a command killed by
+    SIGPIPE would (exit 141, 128 + SIGPIPE). stdout goes to devnull so that Python's final flush of what
+    is still buffered does not report the broken pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+        pass
+    return 141
 
 
 if __name__ == "__main__":

@@ -58,6 +58,26 @@ __host__ __device__ constexpr bool target_supports() {
 #endif
 }
 
+// The threads one SM of the compile target holds (sm_75: 1,024; sm_86 / sm_87 / sm_89: 1,536; the others
+// 2,048); on the host, where launch bounds mean nothing, 2,048.
+__host__ __device__ constexpr int target_threads_per_sm() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+  return 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
+  return 1536;
+#else
+  return 2048;
+#endif
+}
+
+// A __launch_bounds__ min-blocks value for blocks of `threads`: `blocks`, or as many as one SM of the compile
+// target holds where fewer. Given more, ptxas warns (".minnctapersm will be ignored", once per kernel) and
+// compiles as with that many: the sm_75 code of the write kernels (10 blocks of 128 threads asked, 8 fit)
+// is the same either way (checked section by section on the cubin), without the warning.
+__host__ __device__ constexpr int target_min_blocks(int threads, int blocks) {
+  return threads * blocks <= target_threads_per_sm() ? blocks : target_threads_per_sm() / threads;
+}
+
 // --- element conversions (fp32 math everywhere) ---
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -350,7 +350,8 @@ __device__ __forceinline__ void rotate_pair(arch::Vec<T, N>& a, arch::Vec<T, N>&
 
 // kQuant: the cache is in a quantized KvFormat (16-bit T, 16-byte vectors), else T values.
 template <class A, class T, class CosT, int N, bool kFused, bool kQuant, class Rows>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, (kMinBlocksPerSm<T, N, kQuant>))
+__global__ void __launch_bounds__(kWarpsPerBlock * 32,
+                                  (arch::target_min_blocks(kWarpsPerBlock * 32, kMinBlocksPerSm<T, N, kQuant>)))
     write_kv_kernel(const WriteKvParams p, const Rows rows) {
   if constexpr (arch::target_supports<A>()) {
     constexpr int kLatentVecsPerLane = kLatentDim / N / 32;

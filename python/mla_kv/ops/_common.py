@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, Optional, TypeVar, cast
 
 import torch
 
@@ -20,6 +20,35 @@ _ARCH_TAGS = ("sm70", "sm75", "sm80", "sm90")
 def kernels_available() -> bool:
     """True when the package was built with its CUDA kernels."""
     return _C is not None
+
+
+# ------------------------------------------------------------------------- torch.compile
+_F = TypeVar("_F", bound=Callable)
+# name -> the function's torch.ops form (mla_kv.ops.library fills it in as it registers the ops)
+TRACED: Dict[str, Callable] = {}
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling())
+
+
+def traceable(fn: _F) -> _F:
+    """Makes ``fn`` (an op of the public API) trace under torch.compile: while Dynamo traces, the call goes
+    to TRACED[fn's name], which calls the op's torch.ops.mla_kv form (an opaque custom op with a fake
+    implementation; its real implementation is ``fn`` itself, run eagerly, so the arguments are still
+    checked before anything is launched). Outside torch.compile, or where torch has no custom ops, ``fn``
+    runs as written (its checks read data pointers, which Dynamo cannot trace)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if _compiling():
+            route = TRACED.get(name)
+            if route is not None:
+                return route(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return cast(_F, op)
 
 
 # ----------------------------------------------------------------------------------- checks
@@ -65,6 +94,18 @@ def _check_lens(name, lens, batch) -> None:
     _size(name, lens, 0, batch)
 
 
+def _check_arch(arch, tags=_ARCH_TAGS) -> None:
+    """``arch`` is None or one of ``tags``, on every device: a CPU call (the reference) ignores it, and a
+    typo must not pass every CPU test to fail only on a GPU."""
+    if arch is None:
+        return
+    if not isinstance(arch, str):
+        raise TypeError(f"arch: expected one of {', '.join(map(repr, tags))} or None, got {type(arch).__name__} "
+                        f"{arch!r}")
+    if arch not in tags:
+        raise ValueError(f"arch: must be one of {', '.join(map(repr, tags))} or None, got {arch!r}")
+
+
 # ---------------------------------------------------------------------------------- kernels
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> int:
@@ -78,8 +119,7 @@ def _kernel_arch(device: torch.device, dtype: torch.dtype, arch: Optional[str]):
         raise RuntimeError("mla_kv was installed without its CUDA kernels (no CUDA compiler at build "
                            "time): CUDA tensors cannot be processed; reinstall with nvcc on PATH, or "
                            "pass CPU tensors to run the reference")
-    if arch is not None and arch not in _ARCH_TAGS:
-        raise ValueError(f"arch: must be one of {', '.join(_ARCH_TAGS)} or None, got {arch!r}")
+    _check_arch(arch)
     cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
     tag = _C.resolve_arch(getattr(_C.Arch, arch) if arch else _C.Arch.auto, cc)
     if tag == _C.Arch.auto:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -12,9 +12,9 @@ from .._checks import integer, real
 from .._compiled import _C
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache
-from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_attention_inputs, _check_lens,
-                      _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch, _paged_cache,
-                      _result_tensor, _same_device, _stream, _tensor, _validate_table)
+from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_arch, _check_attention_inputs,
+                      _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch,
+                      _paged_cache, _result_tensor, _same_device, _stream, _tensor, _validate_table, traceable)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _schedule_device(device) -> torch.device:
 
 
 def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
-                       total_q_tokens: Optional[int] = None, device=None,
+                       total_q_tokens: Optional[int] = None, device: Union[None, str, int, torch.device] = None,
                        arch: Optional[str] = None, smem_limits: LimitsSpec = None,
                        tile_loads: str = "auto") -> AttentionSchedule:
     """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
@@ -74,6 +74,7 @@ def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, 
     tiles of a GPU with that much shared memory; by default the device's own. ``tile_loads``: "auto",
     or "cp.async" to keep the Hopper kernel's paged-cache tiles off TMA (measurement).
     """
+    _check_arch(arch)
     batch, q_len, num_heads, max_kv_len = (integer(name, v, 0) for name, v in (
         ("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len)))
     total = batch * q_len if total_q_tokens is None else integer("total_q_tokens", total_q_tokens, 0)
@@ -105,8 +106,8 @@ def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
                      f"(use another arch tag, or None for the device's own)")
 
 
-def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *, device=None,
-                          arch: Optional[str] = None) -> int:
+def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
+                          device: Union[None, str, int, torch.device] = None, arch: Optional[str] = None) -> int:
     """Bytes of ``workspace`` decode needs for these sizes (0 when the KV is not split)."""
     return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
 
@@ -198,11 +199,13 @@ def _reference_format(source: CacheSource) -> dict:
     return dict(kv_format=source.kv_format, kv_scale=source.kv_scale, scale_dtype=source.dtype)
 
 
-def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_lens: torch.Tensor,
-           softmax_scale: float, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+@traceable
+def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], block_table: Optional[torch.Tensor],
+           seq_lens: torch.Tensor, softmax_scale: float, *, out: Optional[torch.Tensor] = None,
+           lse: Optional[torch.Tensor] = None,
            workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
            validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-           kv_scale: Optional[float] = None):
+           kv_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (S_q >= 1 new tokens per sequence) over the latent cache -> (out, lse).
 
     q [B, S_q, H, 576] = [q_lat | q_pe] (fp16, or bf16 on sm80+; any strides on B, S_q and H);
@@ -222,6 +225,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     tiles it reads into q's dtype: out = attention over reference.quant.dequantize_cache.
     Reference: mla_kv.reference.decode.
     """
+    _check_arch(arch)
     _check_q(q, 4)
     batch, s_q, heads, _ = q.shape
     softmax_scale = real("softmax_scale", softmax_scale, above=0)
@@ -258,12 +262,13 @@ def decode(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], seq_l
     return out, lse
 
 
-def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
-            kv_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True,
+@traceable
+def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], block_table: Optional[torch.Tensor],
+            cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
             validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-            kv_scale: Optional[float] = None):
+            kv_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at most at T: checked with
@@ -273,6 +278,7 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     Cache arguments (kv_format, kv_scale included) and ``arch`` as in decode. Returns out [T, H, 512] and lse [T, H] float32.
     Reference: mla_kv.reference.prefill.
     """
+    _check_arch(arch)
     _check_q(q, 3)
     tokens, heads, _ = q.shape
     softmax_scale = real("softmax_scale", softmax_scale, above=0)
@@ -313,8 +319,10 @@ def prefill(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q
     return out, lse
 
 
+@traceable
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
-                 out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+                 out: Optional[torch.Tensor] = None,
+                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merges two attention states over disjoint key sets -> (out, lse).
 
     out_* [..., D] (fp16/bf16/fp32; float64 on the CPU, with float64 lse), lse_* [...] float32

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -32,8 +32,9 @@ from .._checks import integer, real
 from .._compiled import _C
 from ..gpus import LimitsSpec, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_DTYPES, _aligned, _capability, _check_attention_inputs, _kernel_arch, _lse_dtype,
-                      _packed_batch, _result_tensor, _same_device, _size, _stream, _tensor, _validate_table)
+from ._common import (_DTYPES, _aligned, _capability, _check_arch, _check_attention_inputs, _kernel_arch,
+                      _lse_dtype, _packed_batch, _result_tensor, _same_device, _size, _stream, _tensor,
+                      _validate_table, traceable)
 from .attention import merge_states
 from .gather import gather_kv
 
@@ -284,10 +285,12 @@ def _check_cu_lens(name: str, cu: torch.Tensor, rows: int, what: str) -> torch.T
     return cu.diff()
 
 
+@traceable
 def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
                        cu_k_lens: torch.Tensor, softmax_scale: float, *, causal: bool = True, max_q_len: int,
                        out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                       arch: Optional[str] = None, smem_limits: LimitsSpec = None, validate: bool = False):
+                       arch: Optional[str] = None, smem_limits: LimitsSpec = None,
+                       validate: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Multi-head attention over packed sequences with per-head K and V (the expanded form) -> (out, lse).
 
     q [T, H, d_qk], k [N, H, d_qk], v [N, H, d_v]; sequence b owns q rows cu_q_lens[b] .. cu_q_lens[b + 1]
@@ -305,6 +308,7 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_l
     mla_kv.gpus.gpu_classes(), or byte limits). CPU tensors run the reference.
     Reference: mla_kv.reference.expanded_attention.
     """
+    _check_arch(arch, _OWN_TAGS)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(name, t)
     on_cuda = q.device.type == "cuda"
@@ -414,13 +418,15 @@ def _validate_lengths(cu_q_lens, kv_lens, tokens, bounds, have, block_size, bloc
 
 
 # --------------------------------------------------------------------------------------- op
-def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor,
-                     kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, softmax_scale: float, *,
+@traceable
+def prefill_expanded(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache],
+                     block_table: Optional[torch.Tensor], cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, softmax_scale: float, *,
                      causal: bool = True, max_q_len: int, max_kv_len: int, max_prefix_len: Optional[int] = None,
                      kv_chunk: int = 8192, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
                      out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                      workspace: Optional[torch.Tensor] = None, validate: bool = False,
-                     attention_kernel: str = "auto", arch: Optional[str] = None):
+                     attention_kernel: str = "auto",
+                     arch: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Expanded-route prefill / extend attention over the latent cache -> (out [T, H, d_v], lse [T, H]).
 
     q [T, H, d_nope + 64] = [q_nope | q_pe] per head (fp16 or bf16 on CUDA), packed by cu_q_lens int32
@@ -444,6 +450,7 @@ def prefill_expanded(q: torch.Tensor, kv_cache, block_table: Optional[torch.Tens
     CPU tensors run the same chunked algorithm with a math attention and always validate.
     Reference: mla_kv.reference.prefill_expanded (over the dequantized rows for a quantized cache).
     """
+    _check_arch(arch, _OWN_TAGS)
     _tensor("q", q)
     on_cuda = q.device.type == "cuda"
     dtypes = (torch.float16, torch.bfloat16) if on_cuda else (*_DTYPES, torch.float64)

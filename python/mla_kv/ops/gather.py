@@ -1,7 +1,7 @@
 """gather_kv: each sequence's cache rows, latent first, packed into one tensor."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -10,8 +10,8 @@ from .._compiled import _C
 from ..layout import ROW_DIM, BlockPointerCache
 from ._common import (_DTYPES, CacheSource, _aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache,
                       _check_block_table, _check_kv_format, _check_lens, _check_paged_cache,
-                      _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device, _size, _stream,
-                      _tensor, _validate_table)
+                      _check_arch, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device, _size,
+                      _stream, _tensor, _validate_table, traceable)
 
 
 def _check_gather_cache(kv_cache, block_table, batch, kv_format, kv_scale, dtype) -> CacheSource:
@@ -79,7 +79,9 @@ def _validate_gather(kv_cache, block_table, cu_kv_lens, starts, out_rows, block_
                          f"[0, {kv_cache.shape[0]})")
 
 
-def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.Tensor, *,
+@traceable
+def gather_kv(kv_cache: Union[torch.Tensor, BlockPointerCache], block_table: Optional[torch.Tensor],
+              cu_kv_lens: torch.Tensor, *,
               starts: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
               kv_format: Optional[str] = None, kv_scale: Optional[float] = None, dtype: Optional[torch.dtype] = None,
               validate: bool = False, arch: Optional[str] = None) -> torch.Tensor:
@@ -105,6 +107,7 @@ def gather_kv(kv_cache, block_table: Optional[torch.Tensor], cu_kv_lens: torch.T
     multiple of 8 elements. An e4m3 NaN code (0x7F, 0xFF) gives NaN, its payload unspecified.
     Reference: mla_kv.reference.gather_kv / gather_kv_blocks.
     """
+    _check_arch(arch)
     _tensor("cu_kv_lens", cu_kv_lens, dims=1, dtype=torch.int32, contiguous=True)
     if cu_kv_lens.shape[0] < 2:
         raise ValueError("cu_kv_lens: needs at least 2 entries (batch >= 1)")

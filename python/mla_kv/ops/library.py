@@ -7,7 +7,10 @@ an op, the ops before it, with a warning. Each op calls the Python function of t
 CUDA tensors and the reference on CPU tensors: there is one implementation. torch.compile sees an
 opaque op with a fake (meta) implementation that computes only the output shapes and dtypes, and
 mutation annotations for what the op writes, so a model calling them compiles without graph breaks
-(``fullgraph=True``) and the compiled graph can be captured in a CUDA graph.
+(``fullgraph=True``) and the compiled graph can be captured in a CUDA graph. The functions themselves
+trace the same way: while torch.compile traces ``mla_kv.decode(...)`` (or any function named here), the
+call goes to its op with the arguments flattened as below (ops._common.traceable), so a model may call
+either form; eager calls run the function as written.
 
 The ops take the Python function's leading positional arguments; tensor arguments that the function
 takes by keyword (q, readonly_lens, workspace, out, starts) are positional here, after them (a custom op takes
@@ -52,6 +55,9 @@ Schemas (``(a!)``: written in place)::
                      str? kv_format=None, float? kv_scale=None, bool validate=False,
                      str attention_kernel="auto", str? arch=None) -> (Tensor out, Tensor lse)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
+    expanded_attention(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_k_lens, float softmax_scale,
+                       *, SymInt max_q_len, bool causal=True, str? arch=None, SymInt[]? smem_limits=None,
+                       bool validate=False) -> (Tensor out, Tensor lse)
     gather_kv(Tensor kv_cache, Tensor block_table, Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *,
               str? kv_format=None, float? kv_scale=None, bool validate=False, str? arch=None) -> ()
     gather_kv_blocks(Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len, SymInt layer_offset_bytes,
@@ -77,9 +83,11 @@ Arguments that are not tensors or scalars are flattened:
 
 What differs from the functions, and why:
 
-* decode / prefill / prefill_expanded / merge_states return new out and lse tensors and take no ``out`` /
-  ``lse``: a custom op may not return one of its inputs. Under a CUDA graph the results live in the graph's
-  memory pool. prefill_expanded has no block-pointer op (call the function with a BlockPointerCache).
+* decode / prefill / prefill_expanded / merge_states / expanded_attention return new out and lse tensors and
+  take no ``out`` / ``lse``: a custom op may not return one of its inputs. Under a CUDA graph the results
+  live in the graph's memory pool. prefill_expanded has no block-pointer op (call the function with a
+  BlockPointerCache). expanded_attention takes ``smem_limits`` as [per_block, per_sm(, reserved_per_block)]
+  bytes, not a class name.
 * gather_kv / gather_kv_blocks require ``out`` [N >= total_kv, 576] and return nothing (read ``out``):
   without it the row count would be cu_kv_lens[-1], device data that a fake implementation cannot
   read (and that the function reads with a host sync).
@@ -102,7 +110,7 @@ from .._compiled import _C
 from ..gpus import smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache
 from . import attention as _attention, expanded as _expanded, gather as _gather, write as _write
-from ._common import _check_q, _lse_dtype, _tensor
+from ._common import TRACED as _TRACED, _check_q, _lse_dtype, _result_tensor, _tensor
 
 Tensor = torch.Tensor
 
@@ -283,6 +291,15 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     return _attention.merge_states(out_a, lse_a, out_b, lse_b)
 
 
+def expanded_attention(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_k_lens: Tensor, softmax_scale: float,
+                       *, max_q_len: int, causal: bool = True, arch: Optional[str] = None,
+                       smem_limits: Optional[List[int]] = None, validate: bool = False) -> Tuple[Tensor, Tensor]:
+    """mla_kv.expanded_attention -> (out, lse), smem_limits as byte limits."""
+    return _expanded.expanded_attention(q, k, v, cu_q_lens, cu_k_lens, softmax_scale, causal=causal,
+                                        max_q_len=max_q_len, arch=arch, validate=validate,
+                                        smem_limits=None if smem_limits is None else tuple(smem_limits))
+
+
 # ---------------------------------------------------------------------------------- gather
 def gather_kv(kv_cache: Tensor, block_table: Tensor, cu_kv_lens: Tensor, out: Tensor,
               starts: Optional[Tensor] = None, *, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
@@ -329,6 +346,12 @@ def _merge_states_fake(out_a, lse_a, out_b, lse_b):
     return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=_lse_dtype(out_a))
 
 
+def _expanded_attention_fake(q, k, v, *args, **kwargs):
+    """out [T, H, d_v] in q's dtype (d_v: v's dim 2) and lse [T, H]."""
+    rows = q.shape[:-1]
+    return q.new_empty((*rows, v.shape[2])), q.new_empty(rows, dtype=_lse_dtype(q))
+
+
 # (function, the arguments it writes, its fake)
 _OPS = (
     (write_kv, ("kv_cache",), _writes_only),
@@ -341,6 +364,7 @@ _OPS = (
     (prefill_blocks, ("workspace",), _attention_fake(3)),
     (prefill_expanded, ("workspace",), _prefill_expanded_fake),
     (merge_states, (), _merge_states_fake),
+    (expanded_attention, (), _expanded_attention_fake),
     (gather_kv, ("out",), _writes_only),
     (gather_kv_blocks, ("out",), _writes_only),
 )
@@ -370,3 +394,155 @@ def _register() -> dict:
 
 # name -> torch.library.CustomOpDef of each registered op (held here: an op lives while its definition does)
 REGISTERED = _register()
+
+
+# ---------------------------------------------------------------- the functions under torch.compile
+# What mla_kv.<name> calls while Dynamo traces it (ops._common.traceable): the function's own arguments,
+# flattened into its torch.ops.mla_kv form as described above. The op's real implementation is the
+# function, so every check still runs before a launch; what is checked here is only what the flattening
+# needs (a BlockPointerCache or not, the out / lse the function would fill). A given out / lse receives the
+# op's whole result, rows past cu_q_lens[B] included (unspecified there, as in the ops).
+def _fill(name: str, given: Optional[Tensor], result: Tensor) -> Tensor:
+    if given is None:
+        return result
+    _result_tensor(name, given, result.shape, result.dtype, result.device)
+    return given.copy_(result)
+
+
+def _filled(out: Optional[Tensor], lse: Optional[Tensor], result) -> Tuple[Tensor, Tensor]:
+    return _fill("out", out, result[0]), _fill("lse", lse, result[1])
+
+
+def _blocks_read(kv_format, kv_scale) -> None:
+    if kv_format is not None or kv_scale is not None:
+        raise ValueError("kv_format / kv_scale: a BlockPointerCache carries its own (cache.kv_format, "
+                         "cache.kv_scale)")
+
+
+def _block_pointer_cache(cache) -> None:
+    if not isinstance(cache, BlockPointerCache):
+        raise TypeError(f"cache: expected mla_kv.layout.BlockPointerCache, got {type(cache).__name__}")
+
+
+def _traced_write_kv(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=None, kv_scale=None, validate=False,
+                     arch=None):
+    torch.ops.mla_kv.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=kv_scale,
+                              validate=validate, arch=arch)
+
+
+def _traced_fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping, *,
+                           rope_style="interleaved", q=None, kv_format=None, kv_scale=None, validate=False,
+                           arch=None):
+    torch.ops.mla_kv.fused_write_kv(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_cache, slot_mapping, q,
+                                    rope_style=rope_style, kv_format=kv_format, kv_scale=kv_scale,
+                                    validate=validate, arch=arch)
+
+
+def _traced_write_kv_blocks(kv_c, k_pe, cache, cu_q_lens, history_lens, *, readonly_lens=None, cp_size=1,
+                            cp_rank=0, validate=False, arch=None):
+    _block_pointer_cache(cache)
+    torch.ops.mla_kv.write_kv_blocks(kv_c, k_pe, *block_pointer_args(cache), cu_q_lens, history_lens,
+                                     readonly_lens, **block_pointer_kwargs(cache), cp_size=cp_size,
+                                     cp_rank=cp_rank, validate=validate, arch=arch)
+
+
+def _traced_fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache, cache, cu_q_lens, history_lens,
+                                  *, rope_style="interleaved", q=None, readonly_lens=None, cp_size=1, cp_rank=0,
+                                  validate=False, arch=None):
+    _block_pointer_cache(cache)
+    torch.ops.mla_kv.fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache,
+                                           *block_pointer_args(cache), cu_q_lens, history_lens, q, readonly_lens,
+                                           rope_style=rope_style, **block_pointer_kwargs(cache), cp_size=cp_size,
+                                           cp_rank=cp_rank, validate=validate, arch=arch)
+
+
+def _traced_decode(q, kv_cache, block_table, seq_lens, softmax_scale, *, out=None, lse=None, workspace=None,
+                   schedule=None, validate=False, arch=None, kv_format=None, kv_scale=None):
+    split = {} if schedule is None else schedule_kwargs(schedule)
+    if isinstance(kv_cache, BlockPointerCache):
+        _blocks_read(kv_format, kv_scale)
+        result = torch.ops.mla_kv.decode_blocks(q, *block_pointer_args(kv_cache), seq_lens, softmax_scale,
+                                                workspace, **block_pointer_kwargs(kv_cache), **split,
+                                                validate=validate, arch=arch)
+    else:
+        result = torch.ops.mla_kv.decode(q, kv_cache, block_table, seq_lens, softmax_scale, workspace, **split,
+                                         validate=validate, arch=arch, kv_format=kv_format, kv_scale=kv_scale)
+    return _filled(out, lse, result)
+
+
+def _traced_prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, *, causal=True, out=None,
+                    lse=None, workspace=None, schedule=None, validate=False, arch=None, kv_format=None,
+                    kv_scale=None):
+    split = {} if schedule is None else schedule_kwargs(schedule)
+    if isinstance(kv_cache, BlockPointerCache):
+        _blocks_read(kv_format, kv_scale)
+        result = torch.ops.mla_kv.prefill_blocks(q, *block_pointer_args(kv_cache), cu_q_lens, kv_lens,
+                                                 softmax_scale, workspace, causal=causal,
+                                                 **block_pointer_kwargs(kv_cache), **split, validate=validate,
+                                                 arch=arch)
+    else:
+        result = torch.ops.mla_kv.prefill(q, kv_cache, block_table, cu_q_lens, kv_lens, softmax_scale, workspace,
+                                          causal=causal, **split, validate=validate, arch=arch,
+                                          kv_format=kv_format, kv_scale=kv_scale)
+    return _filled(out, lse, result)
+
+
+def _traced_prefill_expanded(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv, softmax_scale, *,
+                             causal=True, max_q_len, max_kv_len, max_prefix_len=None, kv_chunk=8192,
+                             kv_format=None, kv_scale=None, out=None, lse=None, workspace=None, validate=False,
+                             attention_kernel="auto", arch=None):
+    if isinstance(kv_cache, BlockPointerCache):
+        raise ValueError("kv_cache: under torch.compile prefill_expanded takes a paged cache (it has no "
+                         "block-pointer op); call it with a BlockPointerCache outside the compiled region "
+                         "(torch.compiler.disable)")
+    result = torch.ops.mla_kv.prefill_expanded(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk, w_uv,
+                                               softmax_scale, workspace, max_q_len=max_q_len,
+                                               max_kv_len=max_kv_len, causal=causal, max_prefix_len=max_prefix_len,
+                                               kv_chunk=kv_chunk, kv_format=kv_format, kv_scale=kv_scale,
+                                               validate=validate, attention_kernel=attention_kernel, arch=arch)
+    return _filled(out, lse, result)
+
+
+def _traced_merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    return _filled(out, lse, torch.ops.mla_kv.merge_states(out_a, lse_a, out_b, lse_b))
+
+
+def _traced_expanded_attention(q, k, v, cu_q_lens, cu_k_lens, softmax_scale, *, causal=True, max_q_len,
+                               out=None, lse=None, arch=None, smem_limits=None, validate=False):
+    limits = _smem_limits(smem_limits)
+    flat = None if limits is None else [limits.per_block, limits.per_sm, limits.reserved_per_block]
+    result = torch.ops.mla_kv.expanded_attention(q, k, v, cu_q_lens, cu_k_lens, softmax_scale, max_q_len=max_q_len,
+                                                 causal=causal, arch=arch, smem_limits=flat, validate=validate)
+    return _filled(out, lse, result)
+
+
+def _traced_gather_kv(kv_cache, block_table, cu_kv_lens, *, starts=None, out=None, kv_format=None, kv_scale=None,
+                      dtype=None, validate=False, arch=None):
+    if out is None:
+        raise ValueError("out: required under torch.compile (without it the row count is cu_kv_lens[-1], "
+                         "device data that a compiled graph cannot read on the host); pass out "
+                         "[N >= total_kv, 576]")
+    if dtype is not None and dtype != out.dtype:
+        raise TypeError(f"out: expected dtype {dtype} (the dtype argument), got {out.dtype}")
+    if isinstance(kv_cache, BlockPointerCache):
+        _blocks_read(kv_format, kv_scale)
+        torch.ops.mla_kv.gather_kv_blocks(*block_pointer_args(kv_cache), cu_kv_lens, out, starts,
+                                          **block_pointer_kwargs(kv_cache), validate=validate, arch=arch)
+    else:
+        torch.ops.mla_kv.gather_kv(kv_cache, block_table, cu_kv_lens, out, starts, kv_format=kv_format,
+                                   kv_scale=kv_scale, validate=validate, arch=arch)
+    return out
+
+
+_TRACED_FORMS = {
+    "write_kv": _traced_write_kv, "fused_write_kv": _traced_fused_write_kv,
+    "write_kv_blocks": _traced_write_kv_blocks, "fused_write_kv_blocks": _traced_fused_write_kv_blocks,
+    "decode": _traced_decode, "prefill": _traced_prefill, "prefill_expanded": _traced_prefill_expanded,
+    "merge_states": _traced_merge_states, "expanded_attention": _traced_expanded_attention,
+    "gather_kv": _traced_gather_kv,
+}
+_OP_NAMES = {fn.__name__ for fn, _, _ in _OPS}
+for _name, _route in _TRACED_FORMS.items():
+    # a function traces into its op only where torch registered every op its form calls (the _blocks one too)
+    if {_name, f"{_name}_blocks"} & _OP_NAMES <= set(REGISTERED):
+        _TRACED[_name] = _route

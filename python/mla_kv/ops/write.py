@@ -11,9 +11,9 @@ from .. import reference
 from .._checks import integer, real
 from .._compiled import _C
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_aligned, _blocks_cache, _c_dtype, _check_block_pointer_cache, _check_kv_format,
+from ._common import (_aligned, _blocks_cache, _c_dtype, _check_arch, _check_block_pointer_cache, _check_kv_format,
                       _check_paged_cache, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device,
-                      _size, _stream, _tensor)
+                      _size, _stream, _tensor, traceable)
 
 _ROPE_STYLES = ("interleaved", "neox")
 
@@ -142,6 +142,7 @@ def _write_paged(kv_c, k_pe, target: PagedTarget, slot_mapping, fused, validate,
     return True
 
 
+@traceable
 def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, kv_format: Optional[str] = None, kv_scale: Optional[float] = None,
              validate: bool = False, arch: Optional[str] = None) -> None:
@@ -159,6 +160,7 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     ``arch`` forces a kernel variant ("sm70", "sm75", "sm80"; "sm90" runs the sm80 kernel) for
     testing; ``validate`` checks slot values on the host first.
     """
+    _check_arch(arch)
     target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_c", kv_c)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     _check_rows(kv_c, k_pe, slot_mapping.shape[0], target.dtype)
@@ -167,6 +169,7 @@ def write_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         reference.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=target.kv_scale)
 
 
+@traceable
 def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                    rope_style: str = "interleaved", q: Optional[torch.Tensor] = None,
@@ -184,6 +187,7 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
     [0, max_position) are left unwritten by the kernels (``validate=True`` raises instead).
     Reference: mla_kv.reference.fused_write_kv.
     """
+    _check_arch(arch)
     target = _check_paged_target(kv_cache, kv_format, kv_scale, "kv_a", kv_a)
     _tensor("slot_mapping", slot_mapping, dims=1, dtype=torch.int64, contiguous=True)
     t = slot_mapping.shape[0]
@@ -280,6 +284,7 @@ def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arc
                            _stream(device))
 
 
+@traceable
 def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerCache,
                     cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
                     readonly_lens: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
@@ -300,12 +305,14 @@ def write_kv_blocks(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: BlockPointerC
     4 * row.
     Reference: mla_kv.reference.write_kv on a layout.BlockPool layer view with layout.block_slots.
     """
+    _check_arch(arch)
     _tensor("kv_c", kv_c, dims=2, last_contiguous=True)
     to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_c.dtype)
     _check_rows(kv_c, k_pe, kv_c.shape[0], cache.dtype)
     _write_blocks(kv_c, k_pe, cache, to, None, validate, arch)
 
 
+@traceable
 def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, cache: BlockPointerCache,
                           cu_q_lens: torch.Tensor, history_lens: torch.Tensor, *,
@@ -318,6 +325,7 @@ def fused_write_kv_blocks(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: flo
     q's rope part is rotated for every input row whose position lies in the rope table, also for
     rows past cu_q_lens[B] (a padded batch) and rows whose cache position is skipped (read-only,
     another rank's): every rank attends with all queries."""
+    _check_arch(arch)
     _tensor("kv_a", kv_a, dims=2, last_contiguous=True)
     to = _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, kv_a.dtype)
     eps = _check_fused(kv_a, rms_weight, eps, positions, cos_sin_cache, kv_a.shape[0], rope_style, q,
