@@ -18,7 +18,7 @@ holds what they share (the compiled module ``_C``, the argument checks, the cach
 torch.compile and CUDA graphs (see its docstring for the schemas).
 """
 from ._common import _C, kernels_available  # noqa: F401 (_C: the compiled kernels, None without them)
-from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
+from .attention import (AttentionPlan, AttentionSchedule, attention_plan, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
 from .expanded import expanded_attention, prefill_expanded, prefill_expanded_workspace_size
 from .gather import gather_kv
@@ -27,7 +27,7 @@ from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blo
 from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 
 __all__ = [
-    "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
+    "AttentionPlan", "AttentionSchedule", "attention_plan", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
     "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "prefill_expanded",
     "prefill_expanded_workspace_size", "write_kv",
     "write_kv_blocks",
