@@ -46,6 +46,7 @@ GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
 COMMON_CUH = "csrc/kernels/attention/common.cuh"
 MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
 COMBINE_CU = "csrc/kernels/attention/combine.cu"
+PLAN_CU = "csrc/kernels/attention/plan.cu"
 ATTENTION_CU = "csrc/kernels/attention/attention.cu"
 SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
 NARROW_CUH = "csrc/kernels/attention/attention_sm90_narrow.cuh"
@@ -60,6 +61,7 @@ T_GUARDS = ("tests/test_attention_guards.py",)  # reads past the table, NaN cana
 T_QUANT_WRITE = ("tests/test_write_quant.py",)
 T_QUANT_GATHER = ("tests/test_gather_quant.py",)
 T_QUANT_ATTENTION = ("tests/test_attention_quant.py",)
+T_PLAN = ("tests/test_attention_plan.py",)
 T_EXPANDED = ("tests/test_expanded_attention.py",)
 T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
@@ -508,6 +510,19 @@ MUTATIONS = (
              ("tests/test_cpp_api.py",) + T_ATTENTION,
              "the split count is not recomputed after rounding tokens up: trailing splits are empty",
              focus="schedule"),
+    Mutation("plan-piece-end-off-by-one", "schedule", ALL, ("split",), PLAN_CU,
+             "it.kv_hi = min((i + 1) * piece_tiles * kTileTokens, w.visible);",
+             "it.kv_hi = min((i + 1) * piece_tiles * kTileTokens - 1, w.visible);", T_PLAN + T_ATTENTION,
+             "length-aware plan: every piece but a unit's last ends one key early (its last key read by no CTA)",
+             focus="plan"),
+    Mutation("plan-combine-lost-partial", "schedule", ALL, ("split",), COMBINE_CU,
+             "c.splits = u.splits;", "c.splits = u.splits - 1;", T_PLAN + T_ATTENTION,
+             "length-aware plan: the combine merges a split unit's pieces but its last", focus="plan"),
+    Mutation("plan-causal-visible-whole-sequence", "schedule", ALL, ("split", "mask"), PLAN_CU,
+             "w.visible = p.causal ? min(w.kv_len, max(0, w.kv_len - q + last / p.num_heads + 1)) : w.kv_len;",
+             "w.visible = p.causal ? min(w.kv_len, max(0, w.kv_len - q + last / p.num_heads)) : w.kv_len;",
+             T_PLAN + T_ATTENTION, "length-aware plan: a unit's kv range stops one key short of its last row's",
+             focus="plan"),
     # ------------------------------------------------------------------ merge_states
     Mutation("merge-lse-log2", "merge", ALL, ("lse",), COMMON_CUH,
              "return sum > 0.f ? m + logf(sum) : -INFINITY;",

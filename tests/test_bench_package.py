@@ -33,6 +33,7 @@ OPTIONS = {
     "cp": ["--quick", "--json", "--gpus", "--part"],
     "profile_decode": ["--times", "--kv-format"],
     "tile_copy": ["--quick", "--json"],
+    "unequal": ["--quick", "--json", "--heads", "--kv-formats"],
 }
 
 

@@ -18,7 +18,8 @@ def cpp_blocks(path):
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on PATH or in CUDACXX")
 def test_engine_example_compiles(tmp_path):
     blocks = cpp_blocks(os.path.join(ROOT, "docs", "engine.md"))
-    assert len(blocks) == 1 and "invokeAttentionBlocks" in blocks[0], "docs/engine.md lost its example"
+    assert len(blocks) == 1 and "invokeAttentionBlocks" in blocks[0] and "invokeAttentionPlan" in blocks[0], \
+        "docs/engine.md lost its example"
     src = tmp_path / "engine_example.cu"
     src.write_text(blocks[0])
     result = subprocess.run([NVCC, "-std=c++17", "-c", str(src), "-I", os.path.join(ROOT, "csrc", "include"),

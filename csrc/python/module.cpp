@@ -144,6 +144,16 @@ PYBIND11_MODULE(_C, m) {
           check(invokeWriteKvBlocks(p, cache, targets, arch, as_stream(stream)), "write_kv_blocks");
         });
 
+  py::class_<AttentionPlanSizes>(m, "AttentionPlanSizes")
+      .def(py::init<>())
+      .def_readonly("block_m", &AttentionPlanSizes::block_m)
+      .def_readonly("target_ctas", &AttentionPlanSizes::target_ctas)
+      .def_readonly("max_items", &AttentionPlanSizes::max_items)
+      .def_readonly("max_slots", &AttentionPlanSizes::max_slots)
+      .def_readonly("max_units", &AttentionPlanSizes::max_units)
+      .def_readonly("max_rows", &AttentionPlanSizes::max_rows)
+      .def_readonly("plan_bytes", &AttentionPlanSizes::plan_bytes)
+      .def_readonly("workspace_bytes", &AttentionPlanSizes::workspace_bytes);
   py::class_<AttentionParams>(m, "AttentionParams")
       .def(py::init([]() { return AttentionParams{}; }))
       .def_readwrite("dtype", &AttentionParams::dtype)
@@ -171,7 +181,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tokens_per_split", &AttentionParams::tokens_per_split)
       .PTR_PROPERTY(AttentionParams, workspace)
       .def_readwrite("smem_limits", &AttentionParams::smem_limits)
-      .def_readwrite("tile_loads", &AttentionParams::tile_loads);
+      .def_readwrite("tile_loads", &AttentionParams::tile_loads)
+      .PTR_PROPERTY(AttentionParams, plan)
+      .def_readwrite("plan_sizes", &AttentionParams::plan_sizes);
 
   py::class_<AttentionTiles>(m, "AttentionTiles")
       .def_readonly("block_m", &AttentionTiles::block_m)
@@ -190,6 +202,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_heads"), py::arg("max_kv_len"), py::arg("sm_count"), py::arg("arch"),
         py::arg("limits") = SmemLimits{});
   m.def("attention_workspace_size", &attention_workspace_size);
+  m.def("attention_plan_sizes", &attention_plan_sizes);
+  m.attr("max_plan_batch") = kMaxPlanBatch;
+  m.def("attention_plan", [](const AttentionParams& p, uintptr_t stream) {
+    check(invokeAttentionPlan(p, as_stream(stream)), "attention_plan");
+  });
   m.def("attention_splits_valid", [](int num_splits, int tokens_per_split, int64_t max_kv_len) {
     return check_attention_splits(num_splits, tokens_per_split, max_kv_len) == Status::kOk;
   });

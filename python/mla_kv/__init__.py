@@ -5,9 +5,8 @@ reference (mla_kv.reference), which is the specification of every op.
 """
 from . import gpus, layout, parallel, reference, rope, routes, weights
 from .layout import BlockPointerCache, BlockPool
-from .ops import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, expanded_attention,
-                  fused_write_kv,
-                  fused_write_kv_blocks, gather_kv, kernels_available, merge_states, prefill, prefill_expanded,
+from .ops import (AttentionPlan, AttentionSchedule, attention_plan, attention_schedule, decode, decode_workspace_size,
+                  expanded_attention, fused_write_kv, fused_write_kv_blocks, gather_kv, kernels_available, merge_states, prefill, prefill_expanded,
                   prefill_expanded_workspace_size, write_kv, write_kv_blocks)
 from .routes import choose_prefill_route
 from .weights import absorb_q, project_out, split_kv_b_proj
@@ -15,7 +14,8 @@ from .weights import absorb_q, project_out, split_kv_b_proj
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionSchedule", "BlockPointerCache", "BlockPool", "absorb_q", "attention_schedule", "choose_prefill_route", "decode",
+    "AttentionPlan", "AttentionSchedule", "BlockPointerCache", "BlockPool", "absorb_q", "attention_plan",
+    "attention_schedule", "choose_prefill_route", "decode",
     "decode_workspace_size", "expanded_attention", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "gpus", "kernels_available",
     "layout", "parallel",
     "merge_states", "prefill", "prefill_expanded", "prefill_expanded_workspace_size", "project_out", "reference",

@@ -24,6 +24,20 @@ constexpr int kMaxAttentionSplits = 1024;
 // side-by-side measurement). Other variants always copy with cp.async or registers.
 enum class TileLoads : int { kAuto = 0, kCpAsync = 1 };
 
+// The capacities of a length-aware work plan (attention_plan_sizes): what the host allocates once
+// for every step of a batch shape, whatever the lengths. The plan itself (invokeAttentionPlan) is
+// made on the GPU from the step's lengths and read by every layer of that step.
+struct AttentionPlanSizes {
+  int block_m = 0;        // query rows per CTA of the launch the plan is for (0: no plan)
+  int target_ctas = 0;    // CTA slots the work is spread over (SMs x resident CTAs)
+  int max_items = 0;      // work items (CTAs) at most: the launch's grid
+  int max_slots = 0;      // items that leave a partial state (a unit split over several CTAs)
+  int max_units = 0;      // split units (sequence, row block) at most
+  int max_rows = 0;       // rows of split units at most (each combine list's capacity)
+  size_t plan_bytes = 0;       // of the plan buffer
+  size_t workspace_bytes = 0;  // of the partial states (max_slots x block_m rows of 512 + 1 floats)
+};
+
 struct AttentionParams {
   DType dtype;        // of q, out and the cache
   int batch;
@@ -52,6 +66,12 @@ struct AttentionParams {
   // tiles a smaller GPU would (the GPU tests emulate each GPU class this way); pass the schedule's.
   SmemLimits smem_limits;
   TileLoads tile_loads = TileLoads::kAuto;
+  // A length-aware plan made by invokeAttentionPlan from these lengths (plan_bytes on the device),
+  // or nullptr for the uniform split above. With a plan, num_splits / tokens_per_split are unused,
+  // each CTA takes the plan's item (a row block and a kv range that may start and end inside a
+  // sequence) and the workspace holds plan_sizes.workspace_bytes.
+  const int* plan = nullptr;
+  AttentionPlanSizes plan_sizes{};
 };
 
 // The tile configuration a launch takes: the tallest CTA up to the rows a sequence needs whose
@@ -91,6 +111,20 @@ Status check_attention_splits(int num_splits, int tokens_per_split, int64_t max_
 
 // Bytes of workspace a launch with these sizes needs (0 when num_splits == 1).
 size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_splits);
+
+// The plan capacities of launches with these params (batch, q_len or cu_q_lens' batch and
+// total_q_tokens, num_heads, smem_limits; lengths are not read) over a cache of `format` on tag `arch`
+// (kAuto: the current device's) with sm_count SMs. block_m == 0 when no tile configuration fits or
+// the batch is larger than kMaxPlanBatch.
+constexpr int kMaxPlanBatch = 8192;
+AttentionPlanSizes attention_plan_sizes(const AttentionParams& params, KvFormat format, Arch arch, int sm_count);
+
+// Makes the plan of params.plan_sizes into params.plan from the device lengths (kv_lens, cu_q_lens):
+// one small kernel, no host sync, so a CUDA graph replayed with new lengths follows them. Work is
+// counted in 64-token tiles per (sequence, row block) unit; units longer than the chunk (the batch's
+// tiles over target_ctas, at least 4, raised until the items fit in one wave) are cut into near-equal
+// pieces whose partial states the combine merges by lse. Every layer of a step may reuse the plan.
+Status invokeAttentionPlan(const AttentionParams& params, cudaStream_t stream);
 
 // Both read 16-bit rows of the params' dtype or rows of any quantized KvFormat (cache.row.format),
 // dequantized into the dtype (fp16 / bf16; int8 / int4 scales and zeros are of that dtype) tile by

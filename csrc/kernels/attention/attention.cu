@@ -6,6 +6,7 @@
 
 #include "../arch/arch.cuh"
 #include "attention_launch.h"
+#include "plan.h"
 #include "tile_config.h"
 
 namespace mla_kv {
@@ -44,18 +45,29 @@ Status launch_variant(const AttentionParams& p, const Rows& rows, Arch tag, int 
   }
 }
 
+// Query rows per CTA of the kernel a launch with these params runs on tag (0: none fits).
+int launch_rows(const AttentionParams& p, Arch tag, KvFormat format) {
+  const int narrow = uses_wgmma(tag) ? attention_detail::narrow_columns(p, format) : 0;
+  return narrow != 0 ? narrow : attention_launch_tiles(p, tag).block_m;
+}
+
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
-  if (check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk) return Status::kInvalidArgument;
+  if (p.plan == nullptr && check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk)
+    return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
   if (p.dtype == DType::kBFloat16 && !tag_has_bf16(tag)) return Status::kUnsupportedDType;
   // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows).
   if (p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0) return Status::kOk;
-  if (p.num_splits > 1 && p.workspace == nullptr) return Status::kInvalidArgument;
+  if ((p.plan != nullptr || p.num_splits > 1) && p.workspace == nullptr) return Status::kInvalidArgument;
   const AttentionTiles tiles = attention_launch_tiles(p, tag);
   if (tiles.block_m == 0) return Status::kSharedMemoryExceeded;
+  // A plan made for other rows per CTA would hand the kernel rows it does not cover.
+  if (p.plan != nullptr && (p.plan_sizes.block_m != launch_rows(p, tag, rows.cache.row.format) ||
+                            p.plan_sizes.max_items < 1))
+    return Status::kInvalidArgument;
   const int grid_x = grid_x_for(p, tiles.block_m);
   switch (rows.cache.row.format) {
     case KvFormat::kNone: return launch_variant<KvFormat::kNone>(p, rows, tag, tiles.config, grid_x, stream);
@@ -126,6 +138,36 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
   return {ceil_div(std::max<int64_t>(max_kv_len, 1), tokens), tokens, tiles};
 }
 
+AttentionPlanSizes attention_plan_sizes(const AttentionParams& p, KvFormat format, Arch arch, int sm_count) {
+  if (arch == Arch::kAuto) arch = resolve_arch(arch, device_compute_capability());
+  AttentionPlanSizes s{};
+  const int rows = arch == Arch::kAuto ? 0 : launch_rows(p, arch, format);
+  if (rows == 0 || p.batch > kMaxPlanBatch || sm_count < 1) return s;
+  const bool narrow = uses_wgmma(arch) && attention_detail::narrow_columns(p, format) != 0;
+  const int slots = sm_count * (narrow ? 1 : std::max(1, attention_launch_tiles(p, arch).ctas_per_sm));
+  // Bounds whatever the lengths (plan.cu): a unit is split only where its cost passes the chunk,
+  // itself at least the batch's work over the slots, so there are fewer than `slots` split units,
+  // at most 2 slots of pieces among them, and at most slots + units items.
+  s.block_m = rows;
+  s.target_ctas = slots;
+  s.max_items = grid_x_for(p, rows) + slots;
+  s.max_slots = 2 * slots;
+  s.max_units = slots;
+  s.max_rows = slots * rows;
+  s.plan_bytes = attention_detail::plan_bytes_of(s);
+  s.workspace_bytes = size_t(s.max_slots) * rows * (kLatentDim + 1) * sizeof(float);
+  return s;
+}
+
+Status invokeAttentionPlan(const AttentionParams& p, cudaStream_t stream) {
+  const AttentionPlanSizes& s = p.plan_sizes;
+  if (p.plan == nullptr || s.block_m < 1 || s.block_m > 64 || s.target_ctas < 1 || s.max_items < 1 ||
+      s.max_slots < 1 || s.max_units < 1 || s.max_rows < 1 || p.batch > kMaxPlanBatch || p.batch < 0 ||
+      p.num_heads < 1 || (p.cu_q_lens == nullptr && p.q_len < 1) || p.kv_lens == nullptr)
+    return Status::kInvalidArgument;
+  return attention_detail::launch_attention_plan(p, stream);
+}
+
 Status check_attention_splits(int num_splits, int tokens_per_split, int64_t max_kv_len) {
   if (num_splits < 1 || num_splits > kMaxAttentionSplits || tokens_per_split < 1) return Status::kInvalidArgument;
   return int64_t(num_splits) * tokens_per_split < max_kv_len ? Status::kInvalidArgument : Status::kOk;
@@ -138,7 +180,9 @@ size_t attention_workspace_size(int64_t total_q_tokens, int num_heads, int num_s
 
 Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cache, const int* block_table,
                             int64_t block_table_stride, int max_blocks, Arch arch, cudaStream_t stream) {
-  const Status s = check_attention_splits(params.num_splits, params.tokens_per_split, int64_t(max_blocks) * cache.block_size);
+  // (A plan follows the lengths; a uniform split must cover the table.)
+  const Status s = params.plan != nullptr ? Status::kOk
+                   : check_attention_splits(params.num_splits, params.tokens_per_split, int64_t(max_blocks) * cache.block_size);
   if (s != Status::kOk) return s;
   const PagedTableRows rows{cache, block_table, block_table_stride, max_blocks};
   return dispatch(params, rows, arch, stream);

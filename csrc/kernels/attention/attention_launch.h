@@ -22,6 +22,26 @@ enum class CombineLaunch { kAfter, kEarly };
 template <class T>
 Status launch_combine(const AttentionParams& p, CombineLaunch when, cudaStream_t stream);
 
+// The grid of an attention launch: grid_x CTAs per split (uniform split), or one CTA per item the
+// plan may hold (a plan).
+inline dim3 attention_grid(const AttentionParams& p, int grid_x) {
+  return p.plan != nullptr ? dim3(unsigned(p.plan_sizes.max_items)) : dim3(unsigned(grid_x), unsigned(p.num_splits));
+}
+
+// Hopper decode steps over a quantized cache whose (token, head) rows fit N = 16 or 24 columns, in
+// uniform batches (a packed batch's sequences may have more rows: the 64-row kernel takes those),
+// run on the narrow kernel (attention_sm90_narrow.cuh) unless the caller asked for the cp.async
+// tile loads (the 64-row kernel's, which the tests also run): -> N, or 0 for the 64-row kernel.
+inline int narrow_columns(const AttentionParams& p, KvFormat format) {
+  if (format == KvFormat::kNone || p.cu_q_lens != nullptr || p.tile_loads != TileLoads::kAuto) return 0;
+  const int64_t rows = int64_t(p.q_len) * p.num_heads;
+  // N = 32 (25-32 rows) spills beside its 128 accumulators: the 64-row kernel takes those.
+  return rows <= 16 ? 16 : rows <= 24 ? 24 : 0;
+}
+
+// The plan kernel (plan.cu): fills params.plan from its lengths.
+Status launch_attention_plan(const AttentionParams& p, cudaStream_t stream);
+
 // Hopper: 64-row CTAs on wgmma (attention_sm90.cuh), whose shared memory per CTA is this.
 int wgmma_smem_bytes();
 template <class T, class Rows, KvFormat F>

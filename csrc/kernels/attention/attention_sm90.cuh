@@ -653,8 +653,8 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
       if (lane % 4 == 0) sum_s[group * kRows + row_of[hh]] = row_sum[hh];  // sanitize-allow: sums
     }
     arch::named_barrier_sync(kMathSync, kThreads);
-    const bool split = p.num_splits > 1;
-    const int64_t total_rows = p.total_q_tokens * p.num_heads;
+    const int64_t part0 = partial_row0<kRows>(p, w.b, w.row0);
+    const bool split = part0 >= 0;
     // Read again rather than kept: the main loop needs every register (it would be spilled).
     const int64_t token_base = p.cu_q_lens == nullptr ? int64_t(w.b) * p.q_len : p.cu_q_lens[w.b];
 #pragma unroll
@@ -664,10 +664,9 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
       const float l = sum_s[r] + sum_s[kRows + r];  // sanitize-allow: sums
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-      const int64_t flat = (token_base + s) * p.num_heads + h;
       const int col0 = group * kOutCols + 2 * (lane % 4);
       if (split) {
-        float* dst = static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + col0;
+        float* dst = static_cast<float*>(p.workspace) + (part0 + r) * kLatentDim + col0;
 #pragma unroll
         for (int j = 0; j < kOutCols / 8; ++j)
           *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[4 * j + 2 * hh] * inv, acc[4 * j + 2 * hh + 1] * inv);
@@ -685,8 +684,8 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
       if (group == 0 && lane % 4 == 0) {
         const float lse = l > 0.f ? (row_max[hh] + log2f(l)) * kLn2 : -INFINITY;
         if (split) {
-          float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
-          ws_lse[blockIdx.y * total_rows + flat] = lse;
+          float* ws_lse = static_cast<float*>(p.workspace) + partial_rows(p) * kLatentDim;
+          ws_lse[part0 + r] = lse;
         } else {
           p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
                 (token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
@@ -709,7 +708,7 @@ Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map
   const auto kernel = attention_wgmma_kernel<T, Rows, kTma, kFormat>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)) != cudaSuccess)
     return Status::kCudaError;
-  kernel<<<dim3(grid_x, p.num_splits), threads_of(kTma, kFormat), kBytes, stream>>>(p, rows, map);
+  kernel<<<attention_grid(p, grid_x), threads_of(kTma, kFormat), kBytes, stream>>>(p, rows, map);
   return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
 }
 
@@ -720,12 +719,12 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
   CUtensorMap map{};
   Status st;
   if constexpr (narrow::supports(F)) {
-    const int columns = narrow::columns_for(p);
+    const int columns = narrow_columns(p, F);
     if (columns != 0) {
       st = columns == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, stream) : narrow::launch<T, Rows, F, 24>(p, rows, stream);
       if (st != Status::kOk) return st;
-      AttentionParams left = p;  // the splits that the kernel's pairs left
-      left.num_splits = narrow::combined_splits(p.num_splits);
+      AttentionParams left = p;  // the splits that the kernel's pairs left (a plan's combine merges them all)
+      if (p.plan == nullptr) left.num_splits = narrow::combined_splits(p.num_splits);
       return launch_combine<T>(left, CombineLaunch::kEarly, stream);
     }
   }

@@ -1013,8 +1013,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     if (!kPair && group > 0) return;
     float* pair_rows = merge + S::kMergeFloats;  // [N][512], then [N] lse (merge_pair)
     float* pair_lse = pair_rows + N * kLatentDim;
-    const bool split = p.num_splits > 1;
-    const int64_t total_rows = p.total_q_tokens * p.num_heads;
+    const int64_t part0 = kPair ? -1 : partial_row0<N>(p, w.b, w.row0);
+    const bool split = kPair || part0 >= 0;
 #pragma unroll
     for (int q = 0; q < kCols; ++q) {
       const int col = col_of(q);
@@ -1022,9 +1022,6 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       const float l = total_l[q];
       const float inv = l > 0.f ? kv_scale / l : 0.f;
       const int row = w.row0 + col, s = row / p.num_heads, h = row - s * p.num_heads;
-      // Uniform batches only (columns_for): the sequence's tokens are b q_len + s. (Keeping w.token_base
-      // live from the prologue instead cost a spill in some variants.)
-      const int64_t flat = (int64_t(w.b) * p.q_len + s) * p.num_heads + h;
       const int lo = 4 * (q / 2) + (q % 2), hi = lo + 2;
       float o[16];
 #pragma unroll
@@ -1045,7 +1042,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
       }
       if (split) {
         float* dst = kPair ? pair_rows + col * kLatentDim + 16 * u
-                          : static_cast<float*>(p.workspace) + (blockIdx.y * total_rows + flat) * kLatentDim + 16 * u;
+                          : static_cast<float*>(p.workspace) + (part0 + col) * kLatentDim + 16 * u;
 #pragma unroll
         for (int k = 0; k < 16; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(o[k], o[k + 1], o[k + 2], o[k + 3]);
       } else {
@@ -1064,8 +1061,8 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
         if (kPair) {
           pair_lse[col] = lse;
         } else if (split) {
-          float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
-          ws_lse[blockIdx.y * total_rows + flat] = lse;
+          float* ws_lse = static_cast<float*>(p.workspace) + partial_rows(p) * kLatentDim;
+          ws_lse[part0 + col] = lse;
         } else {
           p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
         }
@@ -1077,28 +1074,18 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
   }
 }
 
-// Decode steps whose (token, head) rows fit N = 16 or 24 columns, in uniform batches (a packed batch's
-// sequences may have more rows: the 64-row kernel takes those), unless the caller asked for the
-// cp.async tile loads (the 64-row kernel's, which the tests also run).
-inline int columns_for(const AttentionParams& p) {
-  if (p.cu_q_lens != nullptr || p.tile_loads != TileLoads::kAuto) return 0;
-  const int64_t rows = int64_t(p.q_len) * p.num_heads;
-  // N = 32 (25-32 rows) spills beside its 128 accumulators: the 64-row kernel takes those.
-  return rows <= 16 ? 16 : rows <= 24 ? 24 : 0;
-}
-
 template <class T, class Rows, KvFormat F, int N>
 Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
-  const bool pair = combined_splits(p.num_splits) != p.num_splits;
+  const bool pair = p.plan == nullptr && combined_splits(p.num_splits) != p.num_splits;
   const auto kernel = pair ? attention_narrow_kernel<T, Rows, F, N, true> : attention_narrow_kernel<T, Rows, F, N, false>;
   constexpr int kBytes = int(Smem<F, N>::kBytes);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)
     return Status::kCudaError;
-  const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);
+  const int grid_x = p.batch * int((int64_t(p.q_len) * p.num_heads + N - 1) / N);  // (uniform batches only)
   // Two splits: clusters of the two CTAs of the same rows (merge_pair). Pairs keep one CTA on every
   // SM (H200: 66 clusters of two resident, as many CTAs as without clusters; 4 or more fit 120).
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid_x, p.num_splits);
+  config.gridDim = attention_grid(p, grid_x);
   config.blockDim = dim3(Groups<F, N>::kThreads);
   config.dynamicSmemBytes = kBytes;
   config.stream = stream;

@@ -10,6 +10,7 @@
 #include "../arch/arch.cuh"
 #include "../address.cuh"
 #include "mla_kv/attention.h"
+#include "plan.h"
 
 namespace mla_kv {
 namespace attention_detail {
@@ -30,8 +31,31 @@ struct Work {
   int kv_lo, kv_hi;    // this CTA's kv positions
 };
 
+// A planned launch: CTA i takes the plan's item i (both int4 halves in flight at once, so the
+// lengths cost no second trip to memory).
+__device__ __forceinline__ bool find_planned_work(const AttentionParams& p, Work& w) {
+  const PlanView plan = plan_view(p.plan, p.plan_sizes);
+  if (int(blockIdx.x) >= plan.header[kPlanItems]) return false;
+  const int4* item = reinterpret_cast<const int4*>(plan.items + blockIdx.x);
+  const int4 a = item[0], c = item[1];
+  w.b = a.x;
+  w.row0 = a.y;
+  w.kv_lo = a.z;
+  w.kv_hi = a.w;
+  w.kv_len = c.x;
+  if (p.cu_q_lens == nullptr) {
+    w.q_len = p.q_len;
+    w.token_base = int64_t(w.b) * p.q_len;
+  } else {
+    w.token_base = p.cu_q_lens[w.b];
+    w.q_len = p.cu_q_lens[w.b + 1] - int(w.token_base);
+  }
+  return true;
+}
+
 template <int kBlockM>
 __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
+  if (p.plan != nullptr) return find_planned_work(p, w);
   const int bx = blockIdx.x;
   if (p.cu_q_lens == nullptr) {
     const int per_seq = (p.q_len * p.num_heads + kBlockM - 1) / kBlockM;
@@ -62,6 +86,25 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
   w.kv_lo = blockIdx.y * p.tokens_per_split;
   w.kv_hi = min(min(w.kv_lo + p.tokens_per_split, w.kv_len), visible);
   return true;
+}
+
+// Where a CTA leaves its partial state: workspace row partial_row0() + r holds its row r (and the
+// lse array after partial_rows() rows); -1 when the CTA writes out / lse itself. Uniform split:
+// rows [split][flat row]; plan: the item's slot of kBlockM rows. Called in the epilogue rather
+// than kept from the prologue: the main loops need every register.
+template <int kBlockM>
+__device__ __forceinline__ int64_t partial_row0(const AttentionParams& p, int b, int row0) {
+  if (p.plan != nullptr) {
+    const int slot = plan_view(p.plan, p.plan_sizes).items[blockIdx.x].slot;
+    return slot < 0 ? -1 : int64_t(slot) * kBlockM;
+  }
+  if (p.num_splits == 1) return -1;
+  const int64_t token_base = p.cu_q_lens == nullptr ? int64_t(b) * p.q_len : p.cu_q_lens[b];
+  return int64_t(blockIdx.y) * p.total_q_tokens * p.num_heads + token_base * p.num_heads + row0;
+}
+__device__ __forceinline__ int64_t partial_rows(const AttentionParams& p) {
+  return p.plan != nullptr ? int64_t(p.plan_sizes.max_slots) * p.plan_sizes.block_m
+                           : int64_t(p.num_splits) * p.total_q_tokens * p.num_heads;
 }
 
 // The kv positions query row r of the CTA sees: [kv_lo, limit) (causal: up to its own token), -1 for

@@ -355,8 +355,8 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       sum_s[my_row] = row_sum;
     }
     __syncthreads();
-    const bool split = p.num_splits > 1;
-    const int64_t total_rows = p.total_q_tokens * p.num_heads;
+    const int64_t part0 = partial_row0<kBlockM>(p, w.b, w.row0);
+    const bool split = part0 >= 0;
     const int col0 = warp * (kLatentDim / kWarps);
 #pragma unroll
     for (int mt = 0; mt < C::kTilesM; ++mt)
@@ -367,13 +367,12 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
         const float l = sum_s[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int row = w.row0 + r, s = row / p.num_heads, h = row - s * p.num_heads;
-        const int64_t flat = (w.token_base + s) * p.num_heads + h;
 #pragma unroll
         for (int nt = 0; nt < kTilesN; ++nt) {
           const int col = col0 + nt * 16 + Mma::acc_col(lane, i);
           const float o = acc[mt][nt][i] * inv;
           if (split) {
-            static_cast<float*>(p.workspace)[(blockIdx.y * total_rows + flat) * kLatentDim + col] = o;
+            static_cast<float*>(p.workspace)[(part0 + r) * kLatentDim + col] = o;
           } else {
             T* dst = static_cast<T*>(p.out) + int64_t(w.b) * p.out_stride_b * (p.cu_q_lens == nullptr) +
                      (w.token_base * (p.cu_q_lens != nullptr) + s) * p.out_stride_t + int64_t(h) * p.out_stride_h;
@@ -386,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
       const float lse = l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;
       const int row = w.row0 + tid, s = row / p.num_heads, h = row - s * p.num_heads;
       if (split) {
-        float* ws_lse = static_cast<float*>(p.workspace) + size_t(p.num_splits) * total_rows * kLatentDim;
-        ws_lse[blockIdx.y * total_rows + (w.token_base + s) * p.num_heads + h] = lse;
+        float* ws_lse = static_cast<float*>(p.workspace) + partial_rows(p) * kLatentDim;
+        ws_lse[part0 + tid] = lse;
       } else {
         p.lse[int64_t(w.b) * p.lse_stride_b * (p.cu_q_lens == nullptr) +
               (w.token_base * (p.cu_q_lens != nullptr) + s) * p.lse_stride_t + int64_t(h) * p.lse_stride_h] = lse;
@@ -413,7 +412,7 @@ Status launch_tiles(const AttentionParams& p, const Rows& rows, int config, int 
       if (smem > 48 * 1024 &&
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
         return Status::kCudaError;
-      kernel<<<dim3(grid_x, p.num_splits), kThreads, smem, stream>>>(p, rows);
+      kernel<<<attention_grid(p, grid_x), kThreads, smem, stream>>>(p, rows);
       return cudaPeekAtLastError() == cudaSuccess ? Status::kOk : Status::kCudaError;
     }
   } else {

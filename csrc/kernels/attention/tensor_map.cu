@@ -35,7 +35,8 @@ EncodeTiled encode_tiled() {
 
 bool make_tile_map(const AttentionParams& p, const PagedTableRows& rows, CUtensorMap& map) {
   const PagedCache& c = rows.cache;
-  if (p.tile_loads != TileLoads::kAuto || p.tokens_per_split % kTmaBoxTokens != 0) return false;
+  // A plan's kv ranges start on 64-token tiles (plan.cu), a uniform split's on tokens_per_split.
+  if (p.tile_loads != TileLoads::kAuto || (p.plan == nullptr && p.tokens_per_split % kTmaBoxTokens != 0)) return false;
   if (!(c.block_size == 16 || c.block_size == 32 || c.block_size % kTmaBoxTokens == 0)) return false;
   if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.row.row_stride_bytes % 16 != 0 ||
       c.block_stride_bytes % 16 != 0 || c.num_blocks >= (int64_t(1) << 31))

@@ -20,7 +20,7 @@ torch.compile and CUDA graphs (see its docstring for the schemas).
 """
 from .._compiled import _C  # noqa: F401 (the compiled kernels, None without them)
 from ._common import kernels_available
-from .attention import (AttentionSchedule, attention_schedule, decode, decode_workspace_size, merge_states,
+from .attention import (AttentionPlan, AttentionSchedule, attention_plan, attention_schedule, decode, decode_workspace_size, merge_states,
                         prefill)
 from .expanded import expanded_attention, prefill_expanded, prefill_expanded_workspace_size
 from .gather import gather_kv
@@ -29,7 +29,7 @@ from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blo
 from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 
 __all__ = [
-    "AttentionSchedule", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
+    "AttentionPlan", "AttentionSchedule", "attention_plan", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
     "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "prefill_expanded",
     "prefill_expanded_workspace_size", "write_kv",
     "write_kv_blocks",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -11,10 +11,11 @@ from .. import reference
 from .._checks import integer, real
 from .._compiled import _C
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
-from ..layout import LATENT_DIM, BlockPointerCache
+from ..layout import LATENT_DIM, BlockPointerCache, check_kv_format
 from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_arch, _check_attention_inputs,
                       _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch,
-                      _paged_cache, _result_tensor, _same_device, _stream, _tensor, _validate_table, traceable)
+                      _paged_cache, _result_tensor, _same_device, _size, _stream, _tensor, _validate_table,
+                      traceable)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,32 @@ class AttentionSchedule:
     # How the Hopper kernel loads cache tiles: "auto" (TMA where a paged cache allows it) or
     # "cp.async" (everywhere; for side-by-side measurement). Other variants ignore it.
     tile_loads: str = "auto"
+    # "lengths": a work plan made on the GPU from each call's lengths (attention_plan) spreads the
+    # batch's tokens over the GPU, so one long sequence among short ones no longer sets the time; it
+    # lives at the head of the workspace (plan_bytes), the partial states after it. "uniform": every
+    # sequence is cut into the same num_splits x tokens_per_split (sized by max_kv_len).
+    split: str = "uniform"
+    plan_bytes: int = 0
+    kv_format: Optional[str] = None  # the cache format a "lengths" schedule was sized for
+    packed: bool = False             # made for prefill (total_q_tokens given)
+    _plan_sizes: object = field(default=None, repr=False, compare=False)
+    _shape: tuple = field(default=(), repr=False, compare=False)  # (batch, q_len, num_heads, total_q_tokens)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The work plan of one step's lengths (attention_plan), in ``workspace``: every layer of the step
+    passes it to decode / prefill (plan=...), which then reuse it without planning again."""
+
+    schedule: AttentionSchedule
+    workspace: torch.Tensor
+    batch: int
+    causal: bool
 
 
 _TILE_LOADS = {"auto": "auto", "cp.async": "cp_async"}  # name -> _C.TileLoads member
+_SPLITS = ("lengths", "uniform")
+_PLAN_ALIGN = 256  # the partial states start this far into the workspace, past the plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +88,8 @@ def _schedule_device(device) -> torch.device:
 def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
                        total_q_tokens: Optional[int] = None, device: Union[None, str, int, torch.device] = None,
                        arch: Optional[str] = None, smem_limits: LimitsSpec = None,
-                       tile_loads: str = "auto") -> AttentionSchedule:
+                       tile_loads: str = "auto", kv_format: Optional[str] = None,
+                       split: str = "lengths") -> AttentionSchedule:
     """The split-KV plan of decode/prefill for these sizes on ``device`` (default: current GPU).
 
     max_kv_len bounds every sequence's kv length (decode uses block_table width x block_size);
@@ -73,6 +98,10 @@ def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, 
     class name of mla_kv.gpus.gpu_classes(), or byte limits) plans, and makes the launch take, the
     tiles of a GPU with that much shared memory; by default the device's own. ``tile_loads``: "auto",
     or "cp.async" to keep the Hopper kernel's paged-cache tiles off TMA (measurement).
+    ``split``: "lengths" (default) sizes a work plan that follows each call's lengths (its workspace
+    holds the plan and the partial states; pass the cache's ``kv_format``, which sets the rows per
+    CTA on Hopper); "uniform" cuts every sequence alike, from max_kv_len (the batch is larger than
+    mla_kv's plan takes, _C.max_plan_batch, falls back to it).
     """
     _check_arch(arch)
     batch, q_len, num_heads, max_kv_len = (integer(name, v, 0) for name, v in (
@@ -81,14 +110,43 @@ def attention_schedule(batch: int, q_len: int, num_heads: int, max_kv_len: int, 
     limits = _smem_limits(smem_limits)
     if tile_loads not in _TILE_LOADS:
         raise ValueError(f"tile_loads: one of {', '.join(map(repr, _TILE_LOADS))}, got {tile_loads!r}")
+    if split not in _SPLITS:
+        raise ValueError(f"split: one of {', '.join(map(repr, _SPLITS))}, got {split!r}")
+    check_kv_format(kv_format, "kv_format")
     device = _schedule_device(device)
     tag = _kernel_arch(device, torch.float16, arch)
     s = _C.make_attention_schedule(batch, max(q_len, 1), max(num_heads, 1), max_kv_len, _sm_count(device.index),
                                    tag, c_limits(limits))
     _check_tiles(s.tiles, tag, device, limits)
-    return AttentionSchedule(s.num_splits, s.tokens_per_split,
-                             _C.attention_workspace_size(total, num_heads, s.num_splits),
-                             AttentionTiles.from_c(s.tiles), limits, tile_loads)
+    packed = total_q_tokens is not None
+    uniform = AttentionSchedule(s.num_splits, s.tokens_per_split,
+                                _C.attention_workspace_size(total, num_heads, s.num_splits),
+                                AttentionTiles.from_c(s.tiles), limits, tile_loads, kv_format=kv_format,
+                                packed=packed)
+    if split == "uniform" or batch == 0 or total == 0 or num_heads == 0:
+        return uniform
+    sizes = _plan_sizes(batch, q_len, num_heads, total, packed, limits, tile_loads, kv_format, tag, device)
+    if sizes.block_m == 0:
+        return uniform
+    # Without a kv_format the workspace fits any format's plan (Hopper's quantized decode takes
+    # narrower CTAs, so more of them); the plan sizes (attention_plan) are the 16-bit cache's.
+    both = [sizes] if kv_format is not None else [sizes, _plan_sizes(batch, q_len, num_heads, total, packed, limits,
+                                                                      tile_loads, "fp8", tag, device)]
+    plan_bytes = max(-(-x.plan_bytes // _PLAN_ALIGN) * _PLAN_ALIGN for x in both if x.block_m)
+    partial_bytes = max(x.workspace_bytes for x in both if x.block_m)
+    return replace(uniform, split="lengths", plan_bytes=plan_bytes, workspace_bytes=plan_bytes + partial_bytes,
+                   _plan_sizes=sizes, _shape=(batch, q_len, num_heads, total))
+
+
+def _plan_sizes(batch, q_len, heads, total, packed, limits, tile_loads, kv_format, tag, device):
+    """The plan capacities (_C.AttentionPlanSizes) of launches of these sizes on ``device``."""
+    p = _C.AttentionParams()
+    p.batch, p.num_heads, p.q_len, p.total_q_tokens = batch, heads, 0 if packed else q_len, total
+    p.cu_q_lens = 16 if packed else 0  # (sizes only, from whether it is null: never read here)
+    p.smem_limits = c_limits(limits)
+    p.tile_loads = getattr(_C.TileLoads, _TILE_LOADS[tile_loads])
+    fmt = _C.KvFormat.none if kv_format is None else getattr(_C.KvFormat, kv_format)
+    return _C.attention_plan_sizes(p, fmt, tag, _sm_count(device.index))
 
 
 def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
@@ -107,9 +165,11 @@ def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
 
 
 def decode_workspace_size(batch: int, q_len: int, num_heads: int, max_kv_len: int, *,
-                          device: Union[None, str, int, torch.device] = None, arch: Optional[str] = None) -> int:
-    """Bytes of ``workspace`` decode needs for these sizes (0 when the KV is not split)."""
-    return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch).workspace_bytes
+                          device: Union[None, str, int, torch.device] = None, arch: Optional[str] = None,
+                          kv_format: Optional[str] = None) -> int:
+    """Bytes of ``workspace`` decode's default schedule needs for these sizes (its plan and partial states)."""
+    return attention_schedule(batch, q_len, num_heads, max_kv_len, device=device, arch=arch,
+                              kv_format=kv_format).workspace_bytes
 
 
 def _schedule_cover(blocks, max_kv, validate, have, size) -> int:
@@ -120,7 +180,8 @@ def _schedule_cover(blocks, max_kv, validate, have, size) -> int:
     return int(have.max()) * size if validate and have.numel() else 0
 
 
-def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_tokens, heads):
+def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_tokens, heads, plan_sizes=None,
+               exact=False):
     """Checks a (possibly hand-made) schedule against the launch, then returns the workspace tensor
     (None when the schedule does not split the KV). One allocated here must stay referenced by the
     caller until the launch is queued: torch then reuses its memory only in the stream's order, after
@@ -130,6 +191,10 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
     if schedule.tile_loads not in _TILE_LOADS:
         raise ValueError(f"schedule: tile_loads must be one of {', '.join(map(repr, _TILE_LOADS))}, got "
                          f"{schedule.tile_loads!r}")
+    if schedule.split not in _SPLITS:
+        raise ValueError(f"schedule: split must be one of {', '.join(map(repr, _SPLITS))}, got {schedule.split!r}")
+    if schedule.split == "lengths":
+        return _plan_workspace(workspace, schedule, device, plan_sizes, exact)
     splits, tokens = schedule.num_splits, schedule.tokens_per_split
     if not _C.attention_splits_valid(splits, tokens, 0):
         raise ValueError(f"schedule: needs 1 <= num_splits <= {_C.max_attention_splits} and tokens_per_split >= 1, "
@@ -142,6 +207,10 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
         raise ValueError(f"schedule: workspace_bytes {schedule.workspace_bytes} < the {need} this launch needs")
     if schedule.workspace_bytes == 0:
         return None
+    return _workspace_tensor(workspace, schedule, device)
+
+
+def _workspace_tensor(workspace, schedule: AttentionSchedule, device) -> torch.Tensor:
     if workspace is None:  # a CUDA graph should pass one sized by attention_schedule()
         workspace = torch.empty(schedule.workspace_bytes, dtype=torch.uint8, device=device)
     _tensor("workspace", workspace, dims=1, contiguous=True)
@@ -151,6 +220,34 @@ def _workspace(workspace, schedule: AttentionSchedule, device, *, max_kv, total_
     if workspace.data_ptr() % 16:
         raise ValueError("workspace: must be 16-byte aligned")
     return workspace
+
+
+def _plan_workspace(workspace, schedule: AttentionSchedule, device, plan_sizes, exact) -> torch.Tensor:
+    """The workspace of a "lengths" schedule, checked against the plan the launch needs (exact: the
+    plan was made already, with the schedule's sizes)."""
+    have = schedule._plan_sizes
+    if have is None:
+        raise ValueError('schedule: a split="lengths" schedule comes from attention_schedule() (it carries the '
+                         "plan's sizes)")
+    fields = ("block_m", "target_ctas", "max_items", "max_slots", "max_units", "max_rows")
+    same = plan_sizes is not None and all(getattr(have, f) == getattr(plan_sizes, f) for f in fields)
+    fits = plan_sizes is not None and plan_sizes.block_m and plan_sizes.plan_bytes <= schedule.plan_bytes and \
+        plan_sizes.workspace_bytes <= schedule.workspace_bytes - schedule.plan_bytes
+    if not (same if exact else fits):
+        want = "none" if plan_sizes is None else f"{plan_sizes.block_m} rows per CTA, {plan_sizes.max_items} items"
+        raise ValueError(f"{'plan' if exact else 'schedule'}: sized for {have.block_m} rows per CTA and "
+                         f"{have.max_items} items (kv_format {schedule.kv_format!r}); this launch needs {want}: make "
+                         "the schedule with this launch's sizes and kv_format")
+    return _workspace_tensor(workspace, schedule, device)
+
+
+def _launch_plan_sizes(schedule, q, *, batch, q_len, total, packed, kv_format, arch):
+    """The plan sizes a launch needs (None for a uniform schedule)."""
+    if schedule.split != "lengths":
+        return None
+    tag = _kernel_arch(q.device, q.dtype, arch)
+    return _plan_sizes(batch, q_len, q.shape[-2], total, packed, schedule.smem_limits, schedule.tile_loads,
+                       kv_format, tag, q.device)
 
 
 def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, causal, scale, schedule):
@@ -177,13 +274,20 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
 
 
 def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, workspace,
-                      limits: Optional[SmemLimits]):
+                      limits: Optional[SmemLimits], schedule: AttentionSchedule, plan_sizes=None,
+                      plan: Optional[AttentionPlan] = None):
     """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
-    one the op allocated stays referenced until its launches are queued (see _workspace)."""
+    one the op allocated stays referenced until its launches are queued (see _workspace). A "lengths"
+    schedule's plan is made first at the workspace's head, unless ``plan`` holds this step's."""
     params.workspace = 0 if workspace is None else workspace.data_ptr()
+    if plan_sizes is not None:
+        params.plan, params.plan_sizes = workspace.data_ptr(), plan_sizes
+        params.workspace = workspace.data_ptr() + schedule.plan_bytes
     tag = _kernel_arch(q.device, q.dtype, arch)
     _check_tiles(_C.attention_launch_tiles(params, tag), tag, q.device, limits)
     with torch.cuda.device(q.device):
+        if plan_sizes is not None and plan is None:
+            _C.attention_plan(params, _stream(q.device))
         if isinstance(cache, BlockPointerCache):
             _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
         else:
@@ -205,7 +309,7 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
            lse: Optional[torch.Tensor] = None,
            workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
            validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-           kv_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           kv_scale: Optional[float] = None, plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (S_q >= 1 new tokens per sequence) over the latent cache -> (out, lse).
 
     q [B, S_q, H, 576] = [q_lat | q_pe] (fp16, or bf16 on sm80+; any strides on B, S_q and H);
@@ -217,6 +321,9 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
     Returns out [B, S_q, H, 512] (q's dtype) and lse [B, S_q, H] float32 (natural log); a query that
     sees nothing gets out 0 and lse -inf. For CUDA graphs pass ``workspace`` (and ``schedule``) from
     attention_schedule(); ``validate=True`` checks seq_lens against the table on the host first.
+    The default schedule plans the work on the GPU from seq_lens at each call (attention_schedule's
+    split="lengths"); ``plan`` (attention_plan of these seq_lens, made once per step) lets every layer
+    of a step reuse one plan and its workspace.
     ``arch`` forces a kernel variant for testing ("sm70", "sm75", "sm80", "sm90": the Hopper wgmma
     kernel, TMA tile loads on 16-bit paged caches).
     A quantized paged cache: ``kv_format`` ("fp8", "fp8_ds_mla", "int8", "int4") with kv_cache in the
@@ -245,6 +352,7 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
         else:
             have, size = torch.full((batch,), block_table.shape[1]), source.block_size
         _validate_table("cache.cu_block_nums" if blocks else "block_table", "seq_lens", seq_lens, q_lens, have, size)
+    schedule, workspace = _planned(plan, schedule, workspace, batch=batch, packed=False, causal=True)
     if device.type != "cuda":
         if blocks:
             raise ValueError("cache: block-pointer ops run on CUDA tensors only")
@@ -253,13 +361,70 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
     max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
               else block_table.shape[1] * source.block_size)
     if schedule is None:
-        schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch)
+        schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch, kv_format=source.kv_format)
+    sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=s_q, total=batch * s_q, packed=False,
+                               kv_format=source.kv_format, arch=arch)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
-                    total_tokens=batch * s_q, heads=heads)
+                    total_tokens=batch * s_q, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits)
+    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
+
+
+def _planned(plan, schedule, workspace, *, batch, packed, causal):
+    """(schedule, workspace) of a call given ``plan`` (made by attention_plan for this step)."""
+    if plan is None:
+        return schedule, workspace
+    if not isinstance(plan, AttentionPlan):
+        raise ValueError(f"plan: expected an AttentionPlan (mla_kv.attention_plan), got {plan!r}")
+    if schedule is not None and schedule != plan.schedule:
+        raise ValueError("schedule: differs from the plan's (pass the plan alone)")
+    if workspace is not None and workspace is not plan.workspace:
+        raise ValueError("workspace: a plan lives in its own workspace (pass the plan alone)")
+    if plan.schedule.packed != packed or plan.batch != batch or plan.causal != causal:
+        what = "prefill" if plan.schedule.packed else "decode"
+        raise ValueError(f"plan: made for {what} of {plan.batch} sequences (causal={plan.causal}); this call is "
+                         f"{'prefill' if packed else 'decode'} of {batch} (causal={causal})")
+    return plan.schedule, plan.workspace
+
+
+def attention_plan(schedule: AttentionSchedule, seq_lens: torch.Tensor, *, cu_q_lens: Optional[torch.Tensor] = None,
+                   causal: bool = True, workspace: Optional[torch.Tensor] = None) -> AttentionPlan:
+    """The work plan of one step's lengths, made on the GPU (one small kernel, no host sync: a CUDA graph
+    replayed with new lengths follows them) in ``workspace`` (schedule.workspace_bytes; allocated when
+    None). ``schedule``: attention_schedule(..., split="lengths") of the step's sizes; seq_lens int32 [B]
+    (prefill: kv_lens, with cu_q_lens int32 [B + 1]; causal as the prefill call's). Pass the plan to every
+    layer's decode / prefill of the step (plan=...); the lengths must be the ones it was made from."""
+    if not isinstance(schedule, AttentionSchedule) or schedule.split != "lengths" or schedule._plan_sizes is None:
+        raise ValueError('schedule: expected attention_schedule(..., split="lengths") (an AttentionSchedule that '
+                         f"plans), got {schedule!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    batch, q_len, heads, total = schedule._shape
+    _check_lens("seq_lens", seq_lens, batch)
+    if schedule.packed:
+        if cu_q_lens is None:
+            raise ValueError("cu_q_lens: a prefill schedule (total_q_tokens) plans packed sequences: pass cu_q_lens")
+        _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+        _size("cu_q_lens", cu_q_lens, 0, batch + 1)
+    elif cu_q_lens is not None:
+        raise ValueError("cu_q_lens: a decode schedule plans q_len tokens per sequence; it takes no cu_q_lens")
+    elif not causal:
+        raise ValueError("causal: decode is causal")
+    device = _same_device(seq_lens=seq_lens, **({} if cu_q_lens is None else dict(cu_q_lens=cu_q_lens)))
+    if device.type != "cuda":
+        raise ValueError("seq_lens: a plan is made on the GPU for the kernels (CPU tensors run the reference, which "
+                         "takes none)")
+    workspace = _workspace_tensor(workspace, schedule, device)
+    p = _C.AttentionParams()
+    p.batch, p.num_heads, p.q_len, p.total_q_tokens = batch, heads, 0 if schedule.packed else q_len, total
+    p.kv_lens, p.causal = seq_lens.data_ptr(), causal
+    p.cu_q_lens = 0 if cu_q_lens is None else cu_q_lens.data_ptr()
+    p.plan, p.plan_sizes = workspace.data_ptr(), schedule._plan_sizes
+    with torch.cuda.device(device):
+        _C.attention_plan(p, _stream(device))
+    return AttentionPlan(schedule, workspace, batch, causal)
 
 
 @traceable
@@ -268,7 +433,7 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
             validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-            kv_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+            kv_scale: Optional[float] = None, plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at most at T: checked with
@@ -301,6 +466,7 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
             have, size = torch.full((batch,), block_table.shape[1]), source.block_size
         _validate_table("cache.cu_block_nums" if blocks else "block_table", "kv_lens", kv_lens, cu.diff(),
                         have, size)
+    schedule, workspace = _planned(plan, schedule, workspace, batch=batch, packed=True, causal=causal)
     if device.type != "cuda":
         if blocks:
             raise ValueError("cache: block-pointer ops run on CUDA tensors only")
@@ -308,14 +474,17 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
                                  out=out, lse=lse, **_reference_format(source))
     max_kv = (kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len if blocks
               else block_table.shape[1] * source.block_size)
+    q_len = max(1, -(-tokens // batch))
     if schedule is None:
-        schedule = attention_schedule(batch, max(1, -(-tokens // batch)), heads, max_kv, total_q_tokens=tokens,
-                                      device=device, arch=arch)
+        schedule = attention_schedule(batch, q_len, heads, max_kv, total_q_tokens=tokens, device=device, arch=arch,
+                                      kv_format=source.kv_format)
+    sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=q_len, total=tokens, packed=True,
+                               kv_format=source.kv_format, arch=arch)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
-                    total_tokens=tokens, heads=heads)
+                    total_tokens=tokens, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits)
+    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
 
 
