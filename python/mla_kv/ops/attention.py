@@ -309,7 +309,8 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
            lse: Optional[torch.Tensor] = None,
            workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
            validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-           kv_scale: Optional[float] = None, plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           kv_scale: Optional[float] = None,
+           plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (S_q >= 1 new tokens per sequence) over the latent cache -> (out, lse).
 
     q [B, S_q, H, 576] = [q_lat | q_pe] (fp16, or bf16 on sm80+; any strides on B, S_q and H);
@@ -433,14 +434,16 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             workspace: Optional[torch.Tensor] = None, schedule: Optional[AttentionSchedule] = None,
             validate: bool = False, arch: Optional[str] = None, kv_format: Optional[str] = None,
-            kv_scale: Optional[float] = None, plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+            kv_scale: Optional[float] = None,
+           plan: Optional[AttentionPlan] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed query tokens over the latent cache -> (out, lse).
 
     q [T, H, 576] packed over sequences (cu_q_lens int32 [B+1], ending at most at T: checked with
     ``validate=True``; rows of out/lse past cu_q_lens[B] are left untouched); kv_lens int32 [B]
     include the new tokens, already in the cache; the q tokens of sequence b are its last q_len_b
     positions: when causal, query i sees positions < kv_len - q_len + i + 1, otherwise all kv_len.
-    Cache arguments (kv_format, kv_scale included) and ``arch`` as in decode. Returns out [T, H, 512] and lse [T, H] float32.
+    Cache arguments (kv_format, kv_scale included), ``arch`` and ``plan`` (attention_plan with cu_q_lens) as in
+    decode. Returns out [T, H, 512] and lse [T, H] float32.
     Reference: mla_kv.reference.prefill.
     """
     _check_arch(arch)
