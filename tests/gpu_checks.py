@@ -139,21 +139,24 @@ def split_schedule(num_splits, tokens_per_split, total_q_tokens, heads):
                                     mla_kv.ops._C.attention_workspace_size(total_q_tokens, heads, num_splits))
 
 
-def default_schedule(q, kv_cache, block_table, *, packed_batch=None, arch=None, smem_limits=None):
+def default_schedule(q, kv_cache, block_table, *, packed_batch=None, arch=None, smem_limits=None, kv_format=None,
+                     block_size=None):
     """The schedule decode (packed_batch None) or prefill (packed_batch = B) picks when given none
     (the sizes ops.decode / ops.prefill pass to attention_schedule), so that a test can pass it
-    with a poisoned workspace of its own; smem_limits: plan as a GPU with those limits would."""
+    with a poisoned workspace of its own; smem_limits: plan as a GPU with those limits would;
+    kv_format / block_size: a quantized paged cache's (its shape does not give the block size)."""
     heads = q.shape[-2]
     if isinstance(kv_cache, BlockPointerCache):
         max_kv = kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len
     else:
-        max_kv = block_table.shape[1] * kv_cache.shape[1]
+        max_kv = block_table.shape[1] * (block_size or kv_cache.shape[1])
     if packed_batch is None:
         return mla_kv.attention_schedule(q.shape[0], q.shape[1], heads, max_kv, device=q.device, arch=arch,
-                                         smem_limits=smem_limits)
+                                         smem_limits=smem_limits, kv_format=kv_format)
     tokens = q.shape[0]
     return mla_kv.attention_schedule(packed_batch, max(1, -(-tokens // packed_batch)), heads, max_kv,
-                                     total_q_tokens=tokens, device=q.device, arch=arch, smem_limits=smem_limits)
+                                     total_q_tokens=tokens, device=q.device, arch=arch, smem_limits=smem_limits,
+                                     kv_format=kv_format)
 
 
 def poisoned_workspace(schedule, device):

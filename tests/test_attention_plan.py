@@ -17,27 +17,13 @@ import torch
 import mla_kv
 from mla_kv import reference
 
-from gpu_checks import (ATTENTION_ARCHS, block_pointer_copy, capture_graph, check_attention, nan_outputs,
-                        random_cache)
+from gpu_checks import (ATTENTION_ARCHS, block_pointer_copy, capture_graph, check_attention, default_schedule,
+                        nan_outputs, random_cache)
 
 GPU = pytest.mark.gpu
 SCALE = 1.0 / math.sqrt(192 + 64)
 TILE = 64
 HUGE_AMONG_TINY = [40_000] + [1 + 37 * i % 700 for i in range(40)]
-
-
-def lengths_schedule(q, kv_cache, block_table, *, packed_batch=None, arch=None, kv_format=None):
-    heads = q.shape[-2]
-    if isinstance(kv_cache, mla_kv.BlockPointerCache):
-        max_kv = kv_cache.block_ptrs.shape[0] * kv_cache.block_seq_len
-    else:
-        max_kv = block_table.shape[1] * (kv_cache.shape[1] if kv_format is None else 64)
-    if packed_batch is None:
-        return mla_kv.attention_schedule(q.shape[0], q.shape[1], heads, max_kv, device=q.device, arch=arch,
-                                         kv_format=kv_format)
-    tokens = q.shape[0]
-    return mla_kv.attention_schedule(packed_batch, max(1, -(-tokens // packed_batch)), heads, max_kv,
-                                     total_q_tokens=tokens, device=q.device, arch=arch, kv_format=kv_format)
 
 
 def poisoned(schedule, device):
@@ -101,9 +87,9 @@ def plan_table(plan, kv_lens, q_lens, heads, causal):
     return header, items
 
 
-def run_planned_decode(q, kv_cache, table, seq_lens, *, arch=None, kv_format=None, kv_scale=None):
+def run_planned_decode(q, kv_cache, table, seq_lens, *, arch=None, kv_format=None, kv_scale=None, block_size=None):
     """decode with an explicit plan (NaN outputs, 0xFF workspace) -> (out, lse, plan)."""
-    schedule = lengths_schedule(q, kv_cache, table, arch=arch, kv_format=kv_format)
+    schedule = default_schedule(q, kv_cache, table, arch=arch, kv_format=kv_format, block_size=block_size)
     assert schedule.split == "lengths"
     plan = mla_kv.attention_plan(schedule, seq_lens, workspace=poisoned(schedule, q.device))
     out, lse = nan_outputs(q, q.shape[:3])
@@ -148,7 +134,7 @@ def test_plan_prefill_unequal_packed(causal, arch):
     tokens = sum(q_lens) + 3  # padded tokens past cu_q_lens[B] stay untouched
     q = torch.randn(tokens, heads, 576, device="cuda").to(dtype)
     ref = reference.prefill(q.double(), cache.double(), table, cu, kv, SCALE, causal=causal)
-    schedule = lengths_schedule(q, cache, table, packed_batch=len(q_lens), arch=arch)
+    schedule = default_schedule(q, cache, table, packed_batch=len(q_lens), arch=arch)
     plan = mla_kv.attention_plan(schedule, kv, cu_q_lens=cu, causal=causal, workspace=poisoned(schedule, q.device))
     out, lse = nan_outputs(q, q.shape[:2])
     mla_kv.prefill(q, cache, table, cu, kv, SCALE, causal=causal, out=out, lse=lse, plan=plan, arch=arch)
@@ -166,7 +152,7 @@ def test_plan_graph_replay_follows_new_lengths(arch):
     top = [6000, 300, 4500, 70, 1]
     cache, table, seq_lens = random_cache(top, 64, dtype)
     q = torch.randn(len(top), 1, heads, 576, device="cuda").to(dtype)
-    schedule = lengths_schedule(q, cache, table, arch=arch)
+    schedule = default_schedule(q, cache, table, arch=arch)
     ws = poisoned(schedule, q.device)
     out, lse = nan_outputs(q, q.shape[:3])
     lens = seq_lens.clone()
@@ -191,7 +177,7 @@ def test_plan_reused_by_every_layer(arch):
     """One plan per step, two layers' caches read through it."""
     dtype, heads, lens = torch.float16, 128, [3000, 17, 64, 9000]
     q, cache, table, seq_lens, _ = decode_inputs(lens, heads, 1, dtype)
-    schedule = lengths_schedule(q, cache, table, arch=arch)
+    schedule = default_schedule(q, cache, table, arch=arch)
     plan = mla_kv.attention_plan(schedule, seq_lens, workspace=poisoned(schedule, q.device))
     for layer in range(2):
         layer_cache = cache if layer == 0 else (torch.randn_like(cache, dtype=torch.float32) * 0.5).to(dtype)
@@ -223,7 +209,8 @@ def test_plan_quantized_unequal_lengths(kv_format, heads, arch):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), 1, heads, 576, device="cuda").to(dtype)
     ref = reference.decode(q.double(), cache, table, seq_lens, SCALE, kv_format=kv_format, scale_dtype=dtype)
-    out, lse, plan = run_planned_decode(q, cache, table, seq_lens, arch=arch, kv_format=kv_format)
+    out, lse, plan = run_planned_decode(q, cache, table, seq_lens, arch=arch, kv_format=kv_format,
+                                        block_size=block_size)
     check_attention(out, lse, *ref, f"{kv_format} H={heads}", out_tol=8e-3, lse_tol=1e-2)
     plan_table(plan, lens, [1] * len(lens), heads, True)
 
