@@ -117,6 +117,12 @@ def guard_schedules(q, kv_cache, block_table, arch, total_q_tokens, heads, packe
             split_schedule(40, -(-longest // 40), total_q_tokens, heads)]
 
 
+def coverage_of(schedule) -> int:
+    """The kv positions a launch reads: a uniform split's num_splits x tokens_per_split, a plan's every
+    sequence's whole length (positions past the table read as zeros)."""
+    return max(KV_LENS) if schedule.split == "lengths" else schedule.num_splits * schedule.tokens_per_split
+
+
 def windowed_outputs(rows_shape, dtype):
     """NaN out [*rows_shape, 512] and lse [*rows_shape] inside larger buffers of random bytes (one
     more head on each side, 8 more columns on each side of out): (out, lse, buffers)."""
@@ -148,7 +154,7 @@ def test_decode_past_the_block_table(dtype, s_q, addressing, arch):
     q = torch.randn(len(SEQUENCES), s_q, heads, ROW_DIM, device="cuda").to(dtype)
     expected = {}
     for schedule in guard_schedules(q, kv_cache, block_table, arch, len(SEQUENCES) * s_q, heads):
-        coverage = schedule.num_splits * schedule.tokens_per_split
+        coverage = coverage_of(schedule)
         if coverage not in expected:
             expected[coverage] = reference_reading_zeros(q, view, view_table, seq_lens, coverage)
         out, lse, buffers = windowed_outputs(q.shape[:3], dtype)
@@ -177,7 +183,7 @@ def test_prefill_past_the_block_table(dtype, addressing, causal, arch):
     expected = {}
     for schedule in guard_schedules(q, kv_cache, block_table, arch, tokens + pad, heads,
                                     packed_batch=len(SEQUENCES)):
-        coverage = schedule.num_splits * schedule.tokens_per_split
+        coverage = coverage_of(schedule)
         if coverage not in expected:
             expected[coverage] = reference_reading_zeros(q[:tokens], view, view_table, kv_lens, coverage,
                                                          cu_q_lens=cu, causal=causal)
