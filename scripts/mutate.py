@@ -295,6 +295,7 @@ def build_mutant(m, graph, mutant_dir, pool, order, runner):
     """Builds m's module in mutant_dir from a mutated copy of the sources; returns its path."""
     src, build = mutant_dir / "src", mutant_dir / "build"
     shutil.copytree(graph.src / "csrc", src / "csrc")
+    shutil.copytree(graph.src / "cmake", src / "cmake")  # the ptxas launcher the compile commands call
     path = src / m.file
     path.write_text(mutated_text(path.read_text(), m))
     affected = graph.affected_objects(m.file)
@@ -559,7 +560,7 @@ def main(argv=None):
             print(f"[{time.monotonic() - start:4.0f} s] {msg}", flush=True)
 
     base_src, base_build = work / "base" / "src", work / "base" / "build"
-    for part in ("csrc", "python"):
+    for part in ("csrc", "python", "cmake"):  # (cmake: the ptxas launcher the build's commands call)
         shutil.copytree(REPO / part, base_src / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "CMakeLists.txt", base_src / "CMakeLists.txt")
     try:

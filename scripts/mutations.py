@@ -33,7 +33,7 @@ MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
 FAMILIES = ("write", "gather", "attention", "expanded", "combine", "merge", "schedule")
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
           "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
-          "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized")
+          "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized", "sparse")
 
 WRITE_CUH = "csrc/kernels/write/write_kv.cuh"
 ADDRESS_CUH = "csrc/kernels/address.cuh"
@@ -63,7 +63,8 @@ T_QUANT_GATHER = ("tests/test_gather_quant.py",)
 T_QUANT_ATTENTION = ("tests/test_attention_quant.py",)
 T_PLAN = ("tests/test_attention_plan.py",)
 T_EXPANDED = ("tests/test_expanded_attention.py",)
-T_SWEEP = ("tests/test_sweep.py",)  # seeded random configurations of every op, canaries around every tensor
+T_SWEEP = ("tests/test_sweep.py",)
+T_SPARSE = ("tests/test_sparse_attention.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
 # does, only tests that plant such scores (named after score jumps / patterns in the suite).
 RESCALE_FOCUS = "jump or pattern or rescale"
@@ -248,8 +249,8 @@ MUTATIONS = (
              "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads : w.kv_len;", T_ATTENTION,
              "a CTA's kv range stops one key before its last query's own key"),
     Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), MMA_SYNC_CUH,
-             "sc[c] = (j0 + my_col0 + c < row_limit) ? sc[c] * scale_log2 : -INFINITY;",
-             "sc[c] = (j0 + my_col0 + c <= row_limit) ? sc[c] * scale_log2 : -INFINITY;", T_ATTENTION,
+             "sc[c] = (j0 + my_col0 + c < row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;",
+             "sc[c] = (j0 + my_col0 + c <= row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;", T_ATTENTION,
              "mma.sync kernel: the key at a row's limit (next token, or a zero row past the end) is scored"),
     Mutation("mma-sync-scale-not-log2", "attention", MMA_SYNC, ("softmax",), MMA_SYNC_CUH,
              "const float scale_log2 = p.softmax_scale * kLog2e;", "const float scale_log2 = p.softmax_scale;",
@@ -320,8 +321,9 @@ MUTATIONS = (
              "Hopper dequant: rope-first block-pointer rows' rope read at the latent-first offset",
              focus="blocks"),
     Mutation("sm90-mask-one-past", "attention", ("Sm90",), ("mask", "softmax"), SM90_CUH,
-             "x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] ? x * scale_log2 : -INFINITY;",
-             "x = j + 8 * jj + 2 * (lane % 4) + e <= row_limit[hh] ? x * scale_log2 : -INFINITY;", T_ATTENTION,
+             "x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] && ((valid >> (8 * jj + e)) & 1) ? x * scale_log2",
+             "x = j + 8 * jj + 2 * (lane % 4) + e <= row_limit[hh] && ((valid >> (8 * jj + e)) & 1) ? x * scale_log2",
+             T_ATTENTION,
              "wgmma kernel: the key at a row's limit is scored"),
     Mutation("sm90-lse-units", "attention", ("Sm90",), ("lse",), SM90_CUH,
              "const float lse = l > 0.f ? (row_max[hh] + log2f(l)) * kLn2 : -INFINITY;",
@@ -523,6 +525,32 @@ MUTATIONS = (
              "w.visible = p.causal ? min(w.kv_len, max(0, w.kv_len - q + last / p.num_heads)) : w.kv_len;",
              T_PLAN + T_ATTENTION, "length-aware plan: a unit's kv range stops one key short of its last row's",
              focus="plan"),
+    # ------------------------------------------------------------------ sparse attention
+    Mutation("sparse-mask-ignored", "attention", MMA_SYNC, ("sparse", "mask"), MMA_SYNC_CUH,
+             "(j0 + my_col0 + c < row_limit && ((valid >> c) & 1))", "(j0 + my_col0 + c < row_limit && ((valid >> c) | 1))",
+             T_SPARSE, "sparse attention: a missing row (-1, outside the cache) scores 0 instead of leaving the softmax",
+             focus="pad or range"),
+    Mutation("sparse-mask-slot-shifted", "attention", MMA_SYNC, ("sparse", "mask", "pipeline"), MMA_SYNC_CUH,
+             "valid_s[(next_tile & 3) * kLookups + i] = next_valid[i];",
+             "valid_s[((next_tile + 1) & 3) * kLookups + i] = next_valid[i];", T_SPARSE,
+             "sparse attention: a tile's row bits land in the next tile's slot", focus="pad"),
+    Mutation("sparse-sm90-mask-slot", "attention", ("Sm90",), ("sparse", "mask"), SM90_CUH,
+             "(valid_s + 4 * (((j - w.kv_lo) / kTokens) % kValidSlots))",
+             "(valid_s + 4 * (((j - w.kv_lo) / kTokens + 1) % kValidSlots))", T_SPARSE,
+             "Hopper sparse attention: the softmax reads another tile's row bits", focus="pad"),
+    Mutation("sparse-sm90-quant-mask-rows", "attention", ("Sm90",), ("sparse", "mask", "quantized"), SM90_CUH,
+             "if (thread % 32 == 0) valid_s[4 * (t % kValidSlots) + thread / 32] = uint16_t(bits);",
+             "if (thread % 32 == 0) valid_s[4 * (t % kValidSlots) + (thread / 32 + 1) % 4] = uint16_t(bits);",
+             T_SPARSE, "Hopper sparse attention over a quantized cache: each warp's row bits land on another "
+             "warp's 16 rows", focus="quantized"),
+    Mutation("sparse-slot-past-cache", "attention", ALL, ("sparse", "guard", "paged slots"), ADDRESS_CUH,
+             "if (block >= cache.num_blocks) return {nullptr, 0};", "if (block > cache.num_blocks) return {nullptr, 0};",
+             T_SPARSE, "sparse attention reads a slot of the block just past the cache as a row", focus="range"),
+    Mutation("sparse-block-pointer-sequence", "attention", ALL, ("sparse", "block pointers"), ADDRESS_CUH,
+             "const int b = sequence_of(cu_q_lens, cache.batch, t);",
+             "const int b = sequence_of(cu_q_lens, cache.batch, t + 1);", T_SPARSE,
+             "block-pointer sparse attention: a sequence's last token reads the next sequence's positions",
+             focus="block_pointers"),
     # ------------------------------------------------------------------ merge_states
     Mutation("merge-lse-log2", "merge", ALL, ("lse",), COMMON_CUH,
              "return sum > 0.f ? m + logf(sum) : -INFINITY;",

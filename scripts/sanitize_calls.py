@@ -142,6 +142,14 @@ def calls() -> List[Tuple[str, object]]:
             case = ExpandedCase(arch=arch, dims=dims, q_lens=[40, 1, 0, 9], k_lens=[40, 130, 7, 3], pad_rows=3,
                                 pads=(8, 0, 8, 8))
             out += [(name, case), (f"{name}/full-T4", replace(case, causal=False, gpu="T4 / RTX 20"))]
+    # Sparse attention: every tag, 16-bit and quantized caches (Hopper's copy warpgroup writes the row bits),
+    # one token's rows split over CTAs.
+    out += [(f"sparse_attention/{arch or 'best'}/{fmt or '16-bit'}", sc.SparseCase(arch=arch, kv_format=fmt))
+            for arch in ARCH_TAGS for fmt in (None, "fp8_ds_mla", "int4")]
+    out += [("sparse_attention/best/bfloat16/h128-split", sc.SparseCase(dtype="bfloat16", tokens=1, heads=128,
+                                                                       topk=300, splits=True)),
+            ("sparse_attention/sm80/bfloat16/h64-split", sc.SparseCase(arch="sm80", dtype="bfloat16", tokens=2,
+                                                                      heads=64, topk=300, splits=True))]
     out += [("cp_decode/best/float16/cp2", CpCase(kv_lens=[70, 5], q_lens=[3, 3])),
             ("cp_prefill/best/float16/cp2", CpCase(prefill=True, kv_lens=[40, 9], q_lens=[7, 9]))]
     return out

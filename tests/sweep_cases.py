@@ -889,9 +889,70 @@ def run_expanded(case: ExpandedCase, device, seed: int) -> Outcome:
     return Outcome(problems, can.changed_bytes(out[:packed], lse[:packed]))
 
 
+@dataclass
+class SparseCase:
+    """sparse_attention over a paged cache (kv_format: a quantized one, written by the reference's quantizer):
+    each token's indices are random slots of the cache with -1 entries, slots past the cache and negative
+    ones; out / lse / indices / the workspace inside canaries."""
+
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    tokens: int = 3
+    heads: int = 20
+    topk: int = 130
+    block_size: int = 64
+    num_blocks: int = 5
+    kv_format: Optional[str] = None
+    splits: bool = False  # the op's schedule with a given workspace (it splits few tokens' rows)
+
+
+def run_sparse(case: SparseCase, device, seed: int) -> Outcome:
+    from mla_kv import layout
+    from mla_kv.reference import quant
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    slots = case.num_blocks * case.block_size
+    rows = randn((slots, 576), gen, device, 0.5).to(dtype)
+    if case.kv_format is None:
+        kv_cache = can.tensor((case.num_blocks, case.block_size, 576), dtype)
+        kv_cache.copy_(rows.view(kv_cache.shape))
+    else:
+        kv_cache = can.tensor(layout.paged_cache_shape(case.kv_format, case.num_blocks, case.block_size, dtype),
+                              torch.uint8)
+        kv_cache.zero_()
+        quant.write_rows(kv_cache, rows, torch.arange(slots, device=device), case.kv_format,
+                         kv_scale=0.02 if case.kv_format == "fp8" else None)
+    idx = torch.randint(0, slots, (case.tokens, case.topk), generator=cpu_gen, dtype=torch.int32)
+    odd = torch.rand(idx.shape, generator=cpu_gen)
+    idx[odd < 0.1] = -1
+    idx[(odd >= 0.1) & (odd < 0.15)] = slots + 5
+    idx[(odd >= 0.15) & (odd < 0.18)] = -3
+    indices = can.tensor(idx.shape, torch.int32, pad=(1, 3))
+    indices.copy_(idx)
+    q = can.tensor((case.tokens, case.heads, 576), dtype)
+    q.copy_(randn(q.shape, gen, device))
+    out = can.tensor((case.tokens, case.heads, 512), dtype, pad=(1, 0, 8))
+    lse = can.tensor((case.tokens, case.heads), torch.float32, pad=(0, 1))
+    schedule = workspace = None
+    if case.splits and torch.device(device).type == "cuda":
+        schedule = mla_kv.sparse_attention_schedule(case.tokens, case.heads, case.topk, device=device, arch=case.arch)
+        workspace = can.tensor((schedule.workspace_bytes,), torch.uint8)
+    fmt = dict(kv_format=case.kv_format, kv_scale=0.02 if case.kv_format == "fp8" else None)
+    result, failed = _call(lambda: mla_kv.sparse_attention(q, kv_cache, indices, 0.0625, out=out, lse=lse,
+                                                           workspace=workspace, schedule=schedule, arch=case.arch,
+                                                           **fmt), None, can)
+    if failed:
+        return failed
+    ref = mla_kv.reference.sparse_attention(q.double(), kv_cache if case.kv_format else kv_cache.double(), indices,
+                                            0.0625, scale_dtype=dtype, **fmt)
+    tol = {} if case.kv_format is None else dict(out_tol=4e-2, lse_tol=6e-2)
+    problems = attention_problems("sparse_attention", *result, *ref, **tol)
+    return Outcome(problems, can.changed_bytes(out, lse, workspace))
+
+
 RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
            WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp, QuantCase: run_quant,
-           ExpandedCase: run_expanded}
+           ExpandedCase: run_expanded, SparseCase: run_sparse}
 
 
 def run(case, device, seed: int) -> Outcome:

@@ -34,6 +34,7 @@ OPTIONS = {
     "profile_decode": ["--times", "--kv-format"],
     "tile_copy": ["--quick", "--json"],
     "unequal": ["--quick", "--json", "--heads", "--kv-formats"],
+    "sparse": ["--quick", "--json", "--heads", "--kv-formats", "--archs", "--topk"],
 }
 
 

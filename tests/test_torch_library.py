@@ -34,7 +34,7 @@ WRITES = {
     "write_kv_blocks": {"block_ptrs"}, "fused_write_kv_blocks": {"block_ptrs", "q"},
     "decode": {"workspace"}, "decode_blocks": {"workspace"}, "prefill": {"workspace"},
     "prefill_blocks": {"workspace"}, "prefill_expanded": {"workspace"}, "merge_states": set(), "gather_kv": {"out"}, "gather_kv_blocks": {"out"},
-    "expanded_attention": set(),
+    "expanded_attention": set(), "sparse_attention": {"workspace"}, "sparse_attention_blocks": {"workspace"},
 }
 HAVE_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 BACKENDS = ["eager", "aot_eager",
@@ -184,6 +184,21 @@ def test_opcheck_decode(dtype):
     ref_out, ref_lse = mla_kv.decode(q, cache, table, seq_lens, SCALE)
     assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def test_opcheck_sparse_attention():
+    gen = torch.Generator().manual_seed(8)
+    q, cache = torch.randn(3, 4, 576, generator=gen), torch.randn(5, 16, 576, generator=gen)
+    idx = torch.randint(-1, 80, (3, 20), generator=gen, dtype=torch.int32)
+    lens = torch.tensor([20, 0, 7], dtype=torch.int32)
+    opcheck(OPS.sparse_attention.default, (q, cache, idx, SCALE, None, None))
+    opcheck(OPS.sparse_attention.default, (q, cache, idx, SCALE, lens, None))
+    out, lse = OPS.sparse_attention(q, cache, idx, SCALE, lens, None)
+    ref_out, ref_lse = mla_kv.sparse_attention(q, cache, idx, SCALE, topk_lens=lens)
+    assert same_bytes(out, ref_out) and same_bytes(lse, ref_lse)
+    layer = lambda q, cache, idx: mla_kv.sparse_attention(q, cache, idx, SCALE)  # noqa: E731
+    want, _, got, _ = eager_and_compiled(layer, "aot_eager", (q, cache, idx))
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -577,6 +592,9 @@ def test_gpu_opcheck_paged_ops(dtype):
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])
     rows = torch.zeros(int(gather_cu[-1]) + 3, 576, dtype=dtype, device="cuda")
     opcheck(OPS.gather_kv.default, (cache, table, gather_cu, rows))
+    idx = paged_slots(table, seq_lens - 1, cache.shape[1]).int()[:, None].repeat(1, 3)
+    idx[:, 1] = -1
+    opcheck(OPS.sparse_attention.default, (q, cache, idx, SCALE, None, None))
 
 
 @GPU
@@ -611,6 +629,8 @@ def test_gpu_opcheck_block_pointer_ops(rope_first):
     gather_cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0).int()])
     rows = torch.zeros(int(gather_cu[-1]), 576, dtype=dtype, device="cuda")
     opcheck(OPS.gather_kv_blocks.default, (*args, gather_cu, rows), kwargs)
+    pos = torch.stack([seq_lens - 1, seq_lens * 0 - 1, seq_lens // 2]).T.int().contiguous()
+    opcheck(OPS.sparse_attention_blocks.default, (q, *args, pos, cu, SCALE, None, None), kwargs)
     # the ops are the functions
     out, lse = OPS.decode_blocks(q.unsqueeze(1), *args, seq_lens, SCALE, None, **kwargs)
     ref = reference.decode(q.unsqueeze(1).double(), latent_first_layer(pool).double(), table, seq_lens, SCALE)

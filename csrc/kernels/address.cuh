@@ -78,6 +78,23 @@ struct BlockPointerRows {
   __device__ __forceinline__ char* row(int64_t t) const { return row_of(slot(t), cache.row); }
 };
 
+// A cache row found for reading: its layer's region of the block and the row's index there (block
+// null: no such row). The read kernels' row-level addressing (locate), which serves the dense
+// positions and the sparse indices alike; readers of whole blocks use block_base.
+struct RowRef {
+  const char* block;
+  int offset;
+};
+template <class Rows>
+__device__ __forceinline__ const char* row_at(const Rows& rows, const RowRef& r) {
+  return r.block == nullptr ? nullptr : r.block + int64_t(r.offset) * rows.cache.row.row_stride_bytes;
+}
+// An int8 / int4 row's (scale, zero) pair: after the rows of its layer's region of the block.
+template <class Rows>
+__device__ __forceinline__ const char* trailer_at(const Rows& rows, const RowRef& r) {
+  return r.block + int64_t(rows.rows_per_block()) * rows.cache.row.row_stride_bytes + 4 * int64_t(r.offset);
+}
+
 // Reads position `pos` of sequence b through a paged block table. A null block base for positions
 // the table does not cover or block ids outside the cache: the kernels treat such rows as zeros.
 struct PagedTableRows {
@@ -97,7 +114,11 @@ struct PagedTableRows {
   __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
     return base + int64_t(block_offset(pos, cache.block_size)) * cache.row.row_stride_bytes;
   }
+  __device__ __forceinline__ RowRef locate(int b, int pos) const {
+    return {block_base(b, pos), block_offset(pos, cache.block_size)};
+  }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  static constexpr bool kMasksMissing = false;  // a missing row reads as zeros (attention.h)
 };
 
 // Reads position `pos` of sequence b through TurboMind-style block pointers.
@@ -113,14 +134,65 @@ struct BlockPointerTableRows {
   __device__ __forceinline__ const char* row_in_block(const char* base, int pos) const {
     return base + int64_t(block_offset(pos, cache.block_seq_len)) * cache.row.row_stride_bytes;
   }
+  __device__ __forceinline__ RowRef locate(int b, int pos) const {
+    return {block_base(b, pos), block_offset(pos, cache.block_seq_len)};
+  }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  static constexpr bool kMasksMissing = false;
 };
 
-// An int8 / int4 row's (scale, zero) pair: after the rows of its layer's region of the block.
+// Sparse attention: "sequence" t is one query token and its kv position j < topk the row named by
+// indices[t * stride + j]. A missing row (index -1, or outside the cache) is masked out of the softmax
+// (kMasksMissing), never read.
+struct SparseIndexRows {
+  const int* indices;
+  int64_t stride;
+  int topk;
+  __device__ __forceinline__ int index(int t, int j) const { return j < topk ? __ldg(indices + t * stride + j) : -1; }
+};
+
+// Indices are physical slots of a paged cache, block * block_size + offset (FlashMLA's and vLLM's form).
+struct SparseSlotRows {
+  PagedCache cache;
+  SparseIndexRows at;
+
+  __device__ __forceinline__ RowRef locate(int t, int j) const {
+    const int slot = at.index(t, j);
+    if (slot < 0) return {nullptr, 0};
+    const int block = block_index(slot, cache.block_size);
+    if (block >= cache.num_blocks) return {nullptr, 0};
+    return {static_cast<const char*>(cache.base) + int64_t(block) * cache.block_stride_bytes,
+            block_offset(slot, cache.block_size)};
+  }
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  static constexpr bool kMasksMissing = true;
+};
+
+// Indices are positions in the query token's sequence behind TurboMind-style block pointers; token t
+// belongs to the sequence b with cu_q_lens[b] <= t < cu_q_lens[b + 1] (tokens past cu_q_lens[batch]
+// read nothing).
+struct SparseBlockRows {
+  BlockPointerCache cache;
+  SparseIndexRows at;
+  const int* cu_q_lens;  // device [cache.batch + 1]
+
+  __device__ __forceinline__ RowRef locate(int t, int j) const {
+    const int pos = at.index(t, j);
+    if (pos < 0 || t >= cu_q_lens[cache.batch]) return {nullptr, 0};
+    const int b = sequence_of(cu_q_lens, cache.batch, t);
+    const int i = block_index(pos, cache.block_seq_len), first = cache.cu_block_nums[b];
+    if (i >= cache.cu_block_nums[b + 1] - first) return {nullptr, 0};
+    return {static_cast<const char*>(cache.block_ptrs[first + i]) + cache.layer_offset_bytes,
+            block_offset(pos, cache.block_seq_len)};
+  }
+  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  static constexpr bool kMasksMissing = true;
+};
+
+// The (scale, zero) pair of position pos in the block at base (readers of whole blocks).
 template <class Rows>
 __device__ __forceinline__ const char* trailer_pair(const Rows& rows, const char* base, int pos) {
-  const int size = rows.rows_per_block();
-  return base + int64_t(size) * rows.cache.row.row_stride_bytes + 4 * int64_t(block_offset(pos, size));
+  return trailer_at(rows, RowRef{base, block_offset(pos, rows.rows_per_block())});
 }
 
 // Kernels keep rows in shared memory in the canonical [c_kv | k_pe] order, like q's [q_lat | q_pe]:

@@ -163,6 +163,7 @@ PYBIND11_MODULE(_C, m) {
       .PTR_PROPERTY(AttentionParams, cu_q_lens)
       .def_readwrite("total_q_tokens", &AttentionParams::total_q_tokens)
       .PTR_PROPERTY(AttentionParams, kv_lens)
+      .def_readwrite("uniform_kv_len", &AttentionParams::uniform_kv_len)
       .def_readwrite("causal", &AttentionParams::causal)
       .def_readwrite("softmax_scale", &AttentionParams::softmax_scale)
       .PTR_PROPERTY(AttentionParams, q)
@@ -222,6 +223,22 @@ PYBIND11_MODULE(_C, m) {
                                uintptr_t stream) {
     check(invokeAttentionBlocks(p, cache, arch, as_stream(stream)), "attention_blocks");
   });
+  auto sparse_indices = [](uintptr_t indices, int64_t stride, int topk) {
+    return SparseIndices{as_ptr<const int>(indices), stride, topk};
+  };
+  m.def("sparse_attention",
+        [=](const AttentionParams& p, const PagedCache& cache, uintptr_t indices, int64_t stride, int topk, Arch arch,
+            uintptr_t stream) {
+          check(invokeSparseAttention(p, cache, sparse_indices(indices, stride, topk), arch, as_stream(stream)),
+                "sparse_attention");
+        });
+  m.def("sparse_attention_blocks",
+        [=](const AttentionParams& p, const BlockPointerCache& cache, uintptr_t indices, int64_t stride, int topk,
+            uintptr_t cu_q_lens, Arch arch, uintptr_t stream) {
+          check(invokeSparseAttentionBlocks(p, cache, sparse_indices(indices, stride, topk),
+                                            as_ptr<const int>(cu_q_lens), arch, as_stream(stream)),
+                "sparse_attention_blocks");
+        });
   py::class_<ExpandedAttentionParams>(m, "ExpandedAttentionParams")
       .def(py::init([]() { return ExpandedAttentionParams{}; }))
       .def_readwrite("dtype", &ExpandedAttentionParams::dtype)

@@ -7,7 +7,8 @@ from . import gpus, layout, parallel, reference, rope, routes, weights
 from .layout import BlockPointerCache, BlockPool
 from .ops import (AttentionPlan, AttentionSchedule, attention_plan, attention_schedule, decode, decode_workspace_size,
                   expanded_attention, fused_write_kv, fused_write_kv_blocks, gather_kv, kernels_available, merge_states, prefill, prefill_expanded,
-                  prefill_expanded_workspace_size, write_kv, write_kv_blocks)
+                  prefill_expanded_workspace_size, sparse_attention, sparse_attention_schedule, write_kv,
+                  write_kv_blocks)
 from .routes import choose_prefill_route
 from .weights import absorb_q, project_out, split_kv_b_proj
 
@@ -19,6 +20,6 @@ __all__ = [
     "decode_workspace_size", "expanded_attention", "fused_write_kv", "fused_write_kv_blocks", "gather_kv", "gpus", "kernels_available",
     "layout", "parallel",
     "merge_states", "prefill", "prefill_expanded", "prefill_expanded_workspace_size", "project_out", "reference",
-    "rope", "routes", "split_kv_b_proj", "weights", "write_kv",
+    "rope", "routes", "sparse_attention", "sparse_attention_schedule", "split_kv_b_proj", "weights", "write_kv",
     "write_kv_blocks",
 ]

@@ -52,6 +52,18 @@ int launch_rows(const AttentionParams& p, Arch tag, KvFormat format) {
 }
 
 template <class Rows>
+Status launch_format(const AttentionParams& p, const Rows& rows, Arch tag, int config, int grid_x, cudaStream_t stream) {
+  switch (rows.cache.row.format) {
+    case KvFormat::kNone: return launch_variant<KvFormat::kNone>(p, rows, tag, config, grid_x, stream);
+    case KvFormat::kFp8: return launch_variant<KvFormat::kFp8>(p, rows, tag, config, grid_x, stream);
+    case KvFormat::kFp8DsMla: return launch_variant<KvFormat::kFp8DsMla>(p, rows, tag, config, grid_x, stream);
+    case KvFormat::kInt8: return launch_variant<KvFormat::kInt8>(p, rows, tag, config, grid_x, stream);
+    case KvFormat::kInt4: return launch_variant<KvFormat::kInt4>(p, rows, tag, config, grid_x, stream);
+  }
+  return Status::kUnsupportedFormat;
+}
+
+template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
   if (p.plan == nullptr && check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk)
@@ -68,15 +80,18 @@ Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStrea
   if (p.plan != nullptr && (p.plan_sizes.block_m != launch_rows(p, tag, rows.cache.row.format) ||
                             p.plan_sizes.max_items < 1))
     return Status::kInvalidArgument;
-  const int grid_x = grid_x_for(p, tiles.block_m);
-  switch (rows.cache.row.format) {
-    case KvFormat::kNone: return launch_variant<KvFormat::kNone>(p, rows, tag, tiles.config, grid_x, stream);
-    case KvFormat::kFp8: return launch_variant<KvFormat::kFp8>(p, rows, tag, tiles.config, grid_x, stream);
-    case KvFormat::kFp8DsMla: return launch_variant<KvFormat::kFp8DsMla>(p, rows, tag, tiles.config, grid_x, stream);
-    case KvFormat::kInt8: return launch_variant<KvFormat::kInt8>(p, rows, tag, tiles.config, grid_x, stream);
-    case KvFormat::kInt4: return launch_variant<KvFormat::kInt4>(p, rows, tag, tiles.config, grid_x, stream);
-  }
-  return Status::kUnsupportedFormat;
+  return launch_format(p, rows, tag, tiles.config, grid_x_for(p, tiles.block_m), stream);
+}
+
+// Sparse attention: T one-token "sequences" whose positions are their index rows (attention.h).
+template <class Rows>
+Status dispatch_sparse(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
+  const SparseIndexRows& at = rows.at;
+  if (p.q_len != 1 || p.cu_q_lens != nullptr || p.causal || p.plan != nullptr || at.topk < 0 || at.stride < at.topk ||
+      (at.indices == nullptr && at.topk > 0 && p.batch > 0) ||
+      check_attention_splits(p.num_splits, p.tokens_per_split, at.topk) != Status::kOk)
+    return Status::kInvalidArgument;
+  return dispatch(p, rows, arch, stream);
 }
 
 }  // namespace
@@ -191,6 +206,19 @@ Status invokeAttentionPaged(const AttentionParams& params, const PagedCache& cac
 Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache, Arch arch,
                              cudaStream_t stream) {
   return dispatch(params, BlockPointerTableRows{cache}, arch, stream);
+}
+
+Status invokeSparseAttention(const AttentionParams& params, const PagedCache& cache, const SparseIndices& indices,
+                             Arch arch, cudaStream_t stream) {
+  return dispatch_sparse(params, SparseSlotRows{cache, {indices.indices, indices.stride, indices.topk}}, arch, stream);
+}
+
+Status invokeSparseAttentionBlocks(const AttentionParams& params, const BlockPointerCache& cache,
+                                   const SparseIndices& indices, const int* cu_q_lens, Arch arch,
+                                   cudaStream_t stream) {
+  if (cu_q_lens == nullptr && params.batch > 0) return Status::kInvalidArgument;
+  return dispatch_sparse(params, SparseBlockRows{cache, {indices.indices, indices.stride, indices.topk}, cu_q_lens},
+                         arch, stream);
 }
 
 }  // namespace mla_kv

@@ -50,17 +50,28 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
 }  // namespace attention_detail
 }  // namespace mla_kv
 
-#define MLA_KV_INSTANTIATE_ATTENTION(A, T, F)                                                              \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::PagedTableRows, F>(        \
-      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, int, cudaStream_t);                \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, mla_kv::BlockPointerTableRows, F>( \
-      const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, int, cudaStream_t);
+#define MLA_KV_INSTANTIATE_ATTENTION_ROWS(A, T, ROWS, F)                                       \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention<A, T, ROWS, F>(              \
+      const mla_kv::AttentionParams&, const ROWS&, int, int, cudaStream_t);
+#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA_ROWS(T, ROWS, F)                                     \
+  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, ROWS, F>(          \
+      const mla_kv::AttentionParams&, const ROWS&, int, cudaStream_t);
 
-#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA(T, F)                                                             \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::PagedTableRows, F>(        \
-      const mla_kv::AttentionParams&, const mla_kv::PagedTableRows&, int, cudaStream_t);                        \
-  template mla_kv::Status mla_kv::attention_detail::launch_attention_wgmma<T, mla_kv::BlockPointerTableRows, F>( \
-      const mla_kv::AttentionParams&, const mla_kv::BlockPointerTableRows&, int, cudaStream_t);
+// Dense attention: positions through a paged block table or TurboMind block pointers.
+#define MLA_KV_INSTANTIATE_ATTENTION(A, T, F)                                    \
+  MLA_KV_INSTANTIATE_ATTENTION_ROWS(A, T, mla_kv::PagedTableRows, F)             \
+  MLA_KV_INSTANTIATE_ATTENTION_ROWS(A, T, mla_kv::BlockPointerTableRows, F)
+#define MLA_KV_INSTANTIATE_ATTENTION_WGMMA(T, F)                                 \
+  MLA_KV_INSTANTIATE_ATTENTION_WGMMA_ROWS(T, mla_kv::PagedTableRows, F)          \
+  MLA_KV_INSTANTIATE_ATTENTION_WGMMA_ROWS(T, mla_kv::BlockPointerTableRows, F)
+
+// Sparse attention: the rows the indices name, as paged slots or block-pointer positions.
+#define MLA_KV_INSTANTIATE_SPARSE_ATTENTION(A, T, F)                             \
+  MLA_KV_INSTANTIATE_ATTENTION_ROWS(A, T, mla_kv::SparseSlotRows, F)             \
+  MLA_KV_INSTANTIATE_ATTENTION_ROWS(A, T, mla_kv::SparseBlockRows, F)
+#define MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA(T, F)                          \
+  MLA_KV_INSTANTIATE_ATTENTION_WGMMA_ROWS(T, mla_kv::SparseSlotRows, F)          \
+  MLA_KV_INSTANTIATE_ATTENTION_WGMMA_ROWS(T, mla_kv::SparseBlockRows, F)
 
 // The four quantized formats of tag A (dtype T): one .cu per (tag, dtype), beside the 16-bit one.
 #define MLA_KV_INSTANTIATE_ATTENTION_QUANTIZED(A, T)             \
@@ -68,3 +79,13 @@ Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int gr
   MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kFp8DsMla) \
   MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kInt8)     \
   MLA_KV_INSTANTIATE_ATTENTION(A, T, mla_kv::KvFormat::kInt4)
+#define MLA_KV_INSTANTIATE_SPARSE_ATTENTION_QUANTIZED(A, T)             \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION(A, T, mla_kv::KvFormat::kFp8)      \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION(A, T, mla_kv::KvFormat::kFp8DsMla) \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION(A, T, mla_kv::KvFormat::kInt8)     \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION(A, T, mla_kv::KvFormat::kInt4)
+#define MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA_QUANTIZED(T)             \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA(T, mla_kv::KvFormat::kFp8)      \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA(T, mla_kv::KvFormat::kFp8DsMla) \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA(T, mla_kv::KvFormat::kInt8)     \
+  MLA_KV_INSTANTIATE_SPARSE_ATTENTION_WGMMA(T, mla_kv::KvFormat::kInt4)

@@ -82,7 +82,11 @@ constexpr size_t kKvOffset = kTileBytes;                    // two tile stages
 constexpr size_t kProbOffset = kKvOffset + 2 * size_t(kTileBytes);  // P0
 constexpr size_t kStatsOffset = kProbOffset + kChunkBytes;
 constexpr size_t kBarrierOffset = kStatsOffset + 4 * kRows * sizeof(float);
-constexpr size_t kBytes = kBarrierOffset + 8 * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
+// Rows that mask missing rows (sparse indices): which of a tile's 64 rows exist, in 4 slots by tile
+// number (a tile's bits are written with its copy, at most 2 tiles ahead of its softmax).
+constexpr size_t kValidOffset = kBarrierOffset + 8 * sizeof(uint64_t);
+constexpr int kValidSlots = 4;
+constexpr size_t kBytes = kValidOffset + kValidSlots * sizeof(uint64_t) + arch::kSwizzleAtomBytes;
 static_assert(kBytes <= size_t(kSmemHopper.per_block), "Hopper's shared memory per CTA (H100 / H200)");
 
 template <class T>
@@ -190,7 +194,7 @@ __device__ __forceinline__ dequant::Raw8<F> raw8_at(const unsigned char* src, in
 
 template <class T, KvFormat F, class Rows>
 __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w, unsigned char* kv_s, uint64_t* landed,
-                                                 uint64_t* freed, const void* zero_src, int thread) {
+                                                 uint64_t* freed, uint16_t* valid_s, const void* zero_src, int thread) {
   using Q = QuantRow<F>;
   constexpr bool kTrailer = F == KvFormat::kInt8 || F == KvFormat::kInt4;
   const RowLayout& layout = rows.cache.row;
@@ -205,8 +209,20 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
   // are scaled by: int8 / int4's (scale, zero); fp8_ds_mla's tile scales of the half; fp8: kv_scale.
   auto issue = [&](int t, int half) -> float2 {
     const int stage = t & 1, pos = w.kv_lo + t * kTokens + r;
-    const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
-    const char* row = base ? rows.row_in_block(base, pos) : nullptr;
+    const RowRef ref = pos < w.kv_hi ? rows.locate(w.b, pos) : RowRef{nullptr, 0};
+    const char* row = row_at(rows, ref);
+    if constexpr (Rows::kMasksMissing) {
+      // The tile's bits, before the arrive on its landed barrier (the waiters' acquire): warp k of
+      // the copy warpgroup holds rows 16 k .. 16 k + 15, two lanes (sides) each.
+      if (half == 0) {
+        uint32_t bits = __ballot_sync(0xffffffffu, row != nullptr) & 0x55555555u;  // side 0's lanes
+        bits = (bits | (bits >> 1)) & 0x33333333u;
+        bits = (bits | (bits >> 2)) & 0x0f0f0f0fu;
+        bits = (bits | (bits >> 4)) & 0x00ff00ffu;
+        bits = (bits | (bits >> 8)) & 0x0000ffffu;
+        if (thread % 32 == 0) valid_s[4 * (t % kValidSlots) + thread / 32] = uint16_t(bits);
+      }
+    }
     constexpr int kUnits = 2 * Q::kChunkRowBytes / 16;  // this side's chunks 2 side, 2 side + 1
 #pragma unroll
     for (int u = 0; u < kUnits; ++u) {
@@ -227,7 +243,7 @@ __device__ __forceinline__ void dequantize_tiles(const Rows& rows, const Work& w
     arch::cp_async_commit();
     if (row == nullptr) return make_float2(0.f, 0.f);
     if constexpr (kTrailer) {
-      return dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(trailer_pair(rows, base, pos))));
+      return dequant::scale_zero<T>(__ldg(reinterpret_cast<const unsigned*>(trailer_at(rows, ref))));
     } else if constexpr (F == KvFormat::kFp8DsMla) {
       return __ldg(reinterpret_cast<const float2*>(row + dequant::kDsScalesOffset) + half);
     } else {
@@ -327,6 +343,8 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     float* sum_s = max_s + 2 * kRows;                               // [warpgroup][kRows]: row sums
     uint64_t* landed = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [stage][half]: copied
     uint64_t* freed = landed + 4;  // [stage][half]: read (TMA variant)
+    uint16_t* valid_s = reinterpret_cast<uint16_t*>(smem + kValidOffset);  // [slot][warp of 16 rows]
+    constexpr bool kMasks = Rows::kMasksMissing;
 
     arch::launch_dependents();  // the combine's CTAs may be scheduled now (CombineLaunch::kEarly)
     Work w;
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     if constexpr (kQuant) {
       if (warp >= kThreads / 32) {
         arch::shrink_registers<kQuantCopyRegisters>();
-        dequantize_tiles<T, kFormat>(rows, w, kv_s, landed, freed, p.q, tid - kThreads);
+        dequantize_tiles<T, kFormat>(rows, w, kv_s, landed, freed, valid_s, p.q, tid - kThreads);
         return;
       }
       arch::grow_registers<kQuantMathRegisters>();
@@ -377,13 +395,19 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     // Tile copies. Lane t < 16 of the warpgroup's warp q finds the address of tile row 16 q + t;
     // the rows are then copied one per pass, lane l moving 16-byte unit l % 8 of chunk l / 8 of this
     // warpgroup's half (and, warpgroup 0, the rope chunk: 4 rows per pass).
+    // Masked rows: warpgroup 0 writes each tile's bits as it issues its copy; the barriers that order
+    // the tile's use (kMathSync first, then kProbs1Ready for warpgroup 0's own tiles and kScores0Done
+    // for warpgroup 1's) order them before the softmax reads them.
     const int warp_rows = (warp % 4) * kRowsPerWarp;
     auto row_address = [&](int first) -> const char* {
       const int pos = first + warp_rows + lane;
-      const char* base = (lane < kRowsPerWarp && pos < w.kv_hi) ? rows.block_base(w.b, pos) : nullptr;
-      return base ? rows.row_in_block(base, pos) : nullptr;
+      return (lane < kRowsPerWarp && pos < w.kv_hi) ? row_at(rows, rows.locate(w.b, pos)) : nullptr;
     };
-    auto copy_half = [&](int stage, const char* row_addr) {
+    auto copy_half = [&](int stage, int tile, const char* row_addr) {
+      if constexpr (kMasks) {
+        const uint32_t bits = __ballot_sync(0xffffffffu, row_addr != nullptr);
+        if (group == 0 && lane == 0) valid_s[4 * (tile % kValidSlots) + warp % 4] = uint16_t(bits);
+      }
       unsigned char* dst = kv_s + stage * kTileBytes;
       const int unit = lane % 8;
       // 16-byte unit `unit` of canonical chunk `chunk` (stored at element src_col of a row) of the
@@ -406,8 +430,8 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
       arch::cp_async_arrive(&landed[2 * stage + group]);
     };
     if constexpr (!kCopyGroup) {
-      if (tiles > 0) copy_half(0, row_address(w.kv_lo));
-      if (tiles > 1) copy_half(1, row_address(w.kv_lo + kTokens));
+      if (tiles > 0) copy_half(0, 0, row_address(w.kv_lo));
+      if (tiles > 1) copy_half(1, 1, row_address(w.kv_lo + kTokens));
     }
     arch::cp_async_wait<0>();
     arch::fence_proxy_async();
@@ -466,6 +490,10 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     // row sums updated, alpha = the factor O must be rescaled by.
     auto softmax = [&](int j, float (&alpha)[2]) {
       float tile_max[2] = {-INFINITY, -INFINITY};
+      uint64_t valid = ~0ull;  // the tile's rows that exist (bit c: row c)
+      if constexpr (kMasks)
+        valid = *reinterpret_cast<const uint64_t*>(valid_s + 4 * (((j - w.kv_lo) / kTokens) % kValidSlots)) >>
+                (2 * (lane % 4));
 #pragma unroll
       for (int jj = 0; jj < kTokens / 8; ++jj)
 #pragma unroll
@@ -473,7 +501,8 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = sc[4 * jj + 2 * hh + e];
-            x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] ? x * scale_log2 : -INFINITY;
+            x = j + 8 * jj + 2 * (lane % 4) + e < row_limit[hh] && ((valid >> (8 * jj + e)) & 1) ? x * scale_log2
+                                                                                                   : -INFINITY;
             tile_max[hh] = fmaxf(tile_max[hh], x);
           }
 #pragma unroll
@@ -573,11 +602,11 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
     };
     // A half of a stage is no longer read by this warpgroup: the TMA variant frees it for the copy
     // thread, the cp.async variant refills it here.
-    auto release = [&](int stage, bool refill, const char* row_addr) {
+    auto release = [&](int stage, int tile, bool refill, const char* row_addr) {
       if constexpr (kCopyGroup) {
         arch::mbarrier_arrive(&freed[2 * stage + group]);
       } else {
-        if (refill) copy_half(stage, row_addr);
+        if (refill) copy_half(stage, tile, row_addr);
       }
     };
 
@@ -600,7 +629,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
         zero_tail(0, j);
         accumulate_own(0);
         finish_accumulate();
-        release(0, 2 * pair + 2 < tiles, next);  // the next tile 0's half, as this one is read
+        release(0, 2 * pair + 2, 2 * pair + 2 < tiles, next);  // the next tile 0's half, as this one is read
         if constexpr (!kCopyGroup) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         arch::named_barrier_sync(kProbs1Ready, kThreads);
         adopt_max(1, alpha);
@@ -611,7 +640,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
           zero_tail(1, j + kTokens);
           accumulate_shared(1, p1_s);
           finish_accumulate();
-          release(1, 2 * pair + 3 < tiles, next);
+          release(1, 2 * pair + 3, 2 * pair + 3 < tiles, next);
         }
       } else {
         // Tile 1's scores wait for tile 0's: the tensor cores then finish S0 first, and warpgroup
@@ -633,14 +662,14 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
         finish_accumulate();  // P0 is no longer read: warpgroup 0 may overwrite it
         arch::fence_proxy_async();
         arch::named_barrier_arrive(kProbs1Ready, kThreads);
-        release(0, 2 * pair + 2 < tiles, next);
+        release(0, 2 * pair + 2, 2 * pair + 2 < tiles, next);
         if constexpr (!kCopyGroup) next = 2 * pair + 3 < tiles ? row_address(j + 3 * kTokens) : nullptr;
         if (has_tile1) {
           rescale(alpha);
           zero_tail(1, j + kTokens);
           accumulate_own(1);
           finish_accumulate();
-          release(1, 2 * pair + 3 < tiles, next);
+          release(1, 2 * pair + 3, 2 * pair + 3 < tiles, next);
         }
       }
     }
@@ -718,7 +747,7 @@ template <class T, class Rows, KvFormat F>
 Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream) {
   CUtensorMap map{};
   Status st;
-  if constexpr (narrow::supports(F)) {
+  if constexpr (narrow::supports(F) && !Rows::kMasksMissing) {
     const int columns = narrow_columns(p, F);
     if (columns != 0) {
       st = columns == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, stream) : narrow::launch<T, Rows, F, 24>(p, rows, stream);

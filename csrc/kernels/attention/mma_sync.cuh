@@ -92,13 +92,23 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     static_assert(kLookups == 1 || kLookups == 2, "tile rows");
     const char* next_row[kLookups];
     const char* next_pair[kLookups];  // int8 / int4: the row's (scale, zero) in its block's trailer
+    // Rows that mask missing rows (sparse indices): which of a tile's rows exist, one bit each, for
+    // the softmax. Kept in the epilogue's max_s during the main loop, in 4 slots by tile number: a
+    // tile's bits are written when its copy is issued (at most 3 tiles ahead) and read in its softmax.
+    constexpr bool kMasks = Rows::kMasksMissing;
+    uint32_t next_valid[kLookups];
+    int next_tile = 0;  // the tile number of next_row
+    uint32_t* valid_s = reinterpret_cast<uint32_t*>(max_s);
+    static_assert(!kMasks || 4 * kLookups <= kBlockM, "the tile bits' slots fit in max_s");
     auto lookup = [&](int j0) {
+      next_tile = (j0 - w.kv_lo) / kBlockN;
 #pragma unroll
       for (int i = 0; i < kLookups; ++i) {
         const int pos = j0 + 32 * i + lane;
-        const char* base = pos < w.kv_hi ? rows.block_base(w.b, pos) : nullptr;
-        next_row[i] = base ? rows.row_in_block(base, pos) : nullptr;
-        if constexpr (kTrailer) next_pair[i] = base ? trailer_pair(rows, base, pos) : nullptr;
+        const RowRef ref = pos < w.kv_hi ? rows.locate(w.b, pos) : RowRef{nullptr, 0};
+        next_row[i] = row_at(rows, ref);
+        if constexpr (kTrailer) next_pair[i] = ref.block ? trailer_at(rows, ref) : nullptr;
+        if constexpr (kMasks) next_valid[i] = __ballot_sync(0xffffffffu, ref.block != nullptr);
       }
     };
     int col_of[kVecsPerLane];  // where this lane's vectors go in a canonical smem row
@@ -115,6 +125,12 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     dequant::Raw8<kFormat> raw[kQuant ? kRowsPerWarp : 1][kVecsPerLane];  // quantized rows' bytes
     float2 row_scales[kQuant ? kRowsPerWarp : 1];  // int8 / int4: (scale, zero); fp8_ds_mla: vectors 0, 1's tile scales
     auto issue = [&](int stage) {
+      if constexpr (kMasks) {  // (tiles past the range are never read: their slots stay untouched)
+        if (tid == 0 && w.kv_lo + next_tile * kBlockN < w.kv_hi) {
+#pragma unroll
+          for (int i = 0; i < kLookups; ++i) valid_s[(next_tile & 3) * kLookups + i] = next_valid[i];
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
         const int r = warp + k * kWarps;
@@ -282,9 +298,12 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
 #pragma unroll
             for (int e = 0; e < kScoreVec; ++e) sc[c + e] += v.v[e];
           }
+        uint32_t valid = ~0u;  // this thread's columns, from bit my_col0 % 32 (they share a word)
+        if constexpr (kMasks)
+          valid = valid_s[(((j0 - w.kv_lo) / kBlockN) & 3) * kLookups + my_col0 / 32] >> (my_col0 % 32);
 #pragma unroll
         for (int c = 0; c < kRowCols; ++c) {
-          sc[c] = (j0 + my_col0 + c < row_limit) ? sc[c] * scale_log2 : -INFINITY;
+          sc[c] = (j0 + my_col0 + c < row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;
           tile_max = fmaxf(tile_max, sc[c]);
         }
 #pragma unroll

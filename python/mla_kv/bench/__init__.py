@@ -28,6 +28,7 @@ OPS = {
     "profile_decode": "decode launches for ncu / torch.profiler (not in the full run)",
     "tile_copy": "the decode kernels' copy path alone: tiles into a shared-memory ring, by copy mechanism (sm_90; not in the full run)",
     "unequal": "decode on batches of unequal lengths: the length-aware plan vs the uniform split, FlashMLA and the copy floor",
+    "sparse": "sparse_attention over top-k indices vs dense decode, the copy floor and FlashMLA's sparse decode",
 }
 # What ``mla-kv bench`` without an op runs, in this order.
 ALL = ("write", "decode", "gather", "prefill", "expanded", "cp")

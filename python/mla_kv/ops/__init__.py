@@ -11,7 +11,8 @@ and attention reads a position with no block as a zero row (a finite but unspeci
 no host synchronization or allocation otherwise, so they can be captured in CUDA graphs.
 
 The ops live by family: ``write`` (write_kv, fused_write_kv and their block-pointer forms),
-``attention`` (attention_schedule, decode, prefill, merge_states), ``expanded`` (prefill_expanded and
+``attention`` (attention_schedule, decode, prefill, merge_states, sparse_attention and its schedule),
+``expanded`` (prefill_expanded and
 its expanded_attention kernel) and ``gather`` (gather_kv); ``_common``
 holds what they share (the argument checks, the choice of kernel variant, the cache conversions); ``_C``
 is the compiled module (mla_kv._compiled, None without the kernels).
@@ -21,7 +22,7 @@ torch.compile and CUDA graphs (see its docstring for the schemas).
 from .._compiled import _C  # noqa: F401 (the compiled kernels, None without them)
 from ._common import kernels_available
 from .attention import (AttentionPlan, AttentionSchedule, attention_plan, attention_schedule, decode, decode_workspace_size, merge_states,
-                        prefill)
+                        prefill, sparse_attention, sparse_attention_schedule)
 from .expanded import expanded_attention, prefill_expanded, prefill_expanded_workspace_size
 from .gather import gather_kv
 from .write import fused_write_kv, fused_write_kv_blocks, write_kv, write_kv_blocks
@@ -31,6 +32,6 @@ from . import library  # noqa: E402,F401 (registers torch.ops.mla_kv.*)
 __all__ = [
     "AttentionPlan", "AttentionSchedule", "attention_plan", "attention_schedule", "decode", "decode_workspace_size", "expanded_attention", "fused_write_kv",
     "fused_write_kv_blocks", "gather_kv", "kernels_available", "merge_states", "prefill", "prefill_expanded",
-    "prefill_expanded_workspace_size", "write_kv",
+    "prefill_expanded_workspace_size", "sparse_attention", "sparse_attention_schedule", "write_kv",
     "write_kv_blocks",
 ]

@@ -183,9 +183,9 @@ class CacheSource:
     dtype: torch.dtype
 
 
-def _check_block_table(block_table, batch):
-    _tensor("block_table", block_table, dims=2, dtype=torch.int32, last_contiguous=True)
-    _size("block_table", block_table, 0, batch)
+def _check_block_table(block_table, batch, name="block_table"):
+    _tensor(name, block_table, dims=2, dtype=torch.int32, last_contiguous=True)
+    _size(name, block_table, 0, batch)
 
 
 def _check_kv_format(kv_format, kv_scale, dtype, names=("kv_format", "kv_scale", "dtype")) -> Optional[float]:
@@ -286,9 +286,11 @@ def _check_blocks_read(cache, dtype, batch) -> None:
         raise ValueError(f"cache.cu_block_nums: describes {cache.batch} sequences, q has {batch}")
 
 
-def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_format, kv_scale):
+def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_format, kv_scale,
+                            table_name="block_table"):
     """-> (device, CacheSource). A paged cache holds rows of q's dtype, or (kv_format) quantized bytes
-    whose compute dtype is q's; a BlockPointerCache carries its own format."""
+    whose compute dtype is q's; a BlockPointerCache carries its own format. block_table: the int32
+    [batch, n] table of a paged cache (sparse attention's indices, table_name "indices")."""
     if isinstance(cache, BlockPointerCache):
         if kv_format is not None or kv_scale is not None:
             raise ValueError("kv_format / kv_scale: a BlockPointerCache carries its own (cache.kv_format, "
@@ -300,13 +302,13 @@ def _check_attention_inputs(q, cache, block_table, batch, device_tensors, kv_for
         _check_paged_cache(cache)
         if cache.dtype != q.dtype:
             raise TypeError(f"kv_cache: dtype {cache.dtype} differs from q's {q.dtype}")
-        _check_block_table(block_table, batch)
+        _check_block_table(block_table, batch, table_name)
         _check_vector_aligned("kv_cache", cache)
         source = CacheSource(None, None, cache.shape[1], q.dtype)
     else:
         scale = _check_kv_format(kv_format, kv_scale, q.dtype, names=("kv_format", "kv_scale", "q"))
         block_size = _check_quantized_paged_cache(cache, kv_format, q.dtype)
-        _check_block_table(block_table, batch)
+        _check_block_table(block_table, batch, table_name)
         source = CacheSource(kv_format, scale, block_size, q.dtype)
     _check_vector_aligned("q", q)
     return _same_device(**device_tensors), source

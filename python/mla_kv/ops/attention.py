@@ -1,4 +1,6 @@
-"""The attention ops: the split-KV schedule, decode and prefill over the latent cache, and merge_states."""
+"""The attention ops: the split-KV schedule, decode and prefill over the latent cache, merge_states, and sparse
+attention (DeepSeek Sparse Attention: each query token attends to the rows its index row names, on the same
+kernels, which read each token's indexed rows instead of a sequence's positions: csrc/kernels/address.cuh)."""
 from __future__ import annotations
 
 import functools
@@ -254,7 +256,7 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     p = _C.AttentionParams()
     p.dtype = _c_dtype(q.dtype)
     p.batch, p.num_heads, p.q_len = batch, q.shape[-2], q_len
-    p.kv_lens, p.causal, p.softmax_scale = kv_lens.data_ptr(), causal, float(scale)
+    p.kv_lens, p.causal, p.softmax_scale = 0 if kv_lens is None else kv_lens.data_ptr(), causal, float(scale)
     p.num_splits, p.tokens_per_split = schedule.num_splits, schedule.tokens_per_split
     p.smem_limits = c_limits(schedule.smem_limits)
     p.tile_loads = getattr(_C.TileLoads, _TILE_LOADS[schedule.tile_loads])
@@ -265,6 +267,11 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
         p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)
         p.out_stride_t, p.out_stride_h = out.stride(0), out.stride(1)
         p.lse_stride_t, p.lse_stride_h = lse.stride(0), lse.stride(1)
+    elif q.dim() == 3:  # one query token per sequence (sparse attention): the token's strides on b
+        p.cu_q_lens, p.total_q_tokens = 0, batch
+        p.q_stride_b, p.q_stride_t, p.q_stride_h = q.stride(0), 0, q.stride(1)
+        p.out_stride_b, p.out_stride_t, p.out_stride_h = out.stride(0), 0, out.stride(1)
+        p.lse_stride_b, p.lse_stride_t, p.lse_stride_h = lse.stride(0), 0, lse.stride(1)
     else:
         p.cu_q_lens, p.total_q_tokens = 0, batch * q_len
         p.q_stride_b, p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1), q.stride(2)
@@ -536,4 +543,120 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     p.out, p.out_stride, p.lse = o.data_ptr(), o.stride(0), lse.data_ptr()
     with torch.cuda.device(device):
         _C.merge_states(p, _stream(device))
+    return out, lse
+
+
+# ------------------------------------------------------------------------- sparse attention
+def sparse_attention_schedule(num_tokens: int, num_heads: int, topk: int, *,
+                              device: Union[None, str, int, torch.device] = None, arch: Optional[str] = None,
+                              smem_limits: LimitsSpec = None) -> AttentionSchedule:
+    """The split of sparse_attention's index rows over CTAs for these sizes (from sizes only: make it, and
+    its workspace, outside a CUDA graph). Few tokens x heads cut each token's topk rows into pieces that
+    fill the GPU, merged by lse; arguments as attention_schedule's."""
+    return attention_schedule(num_tokens, 1, num_heads, topk, device=device, arch=arch, smem_limits=smem_limits,
+                              split="uniform")
+
+
+def _validate_indices(indices, topk_lens, cu_q_lens, kv_cache, source, tokens) -> None:
+    """Host checks of device data (validate=True): every index read names a row or is -1."""
+    idx = indices.cpu().long()
+    counts = torch.full((tokens,), idx.shape[1]) if topk_lens is None else topk_lens.cpu().long()
+    if bool((counts < 0).any()) or bool((counts > idx.shape[1]).any()):
+        raise ValueError(f"topk_lens: must be in [0, {idx.shape[1]}] (indices' columns), got {counts.tolist()}")
+    read = torch.arange(idx.shape[1])[None, :] < counts[:, None]
+    if isinstance(kv_cache, BlockPointerCache):
+        cu = cu_q_lens.cpu().long()
+        if int(cu[0]) != 0 or bool((cu.diff() < 0).any()) or int(cu[-1]) > tokens:
+            raise ValueError(f"cu_q_lens: must start at 0, be non-decreasing and end at most at q's {tokens} tokens")
+        have = kv_cache.cu_block_nums.cpu().long().diff() * kv_cache.block_seq_len
+        limit = torch.zeros(tokens, dtype=torch.long)
+        for b in range(cu.shape[0] - 1):
+            limit[int(cu[b]):int(cu[b + 1])] = have[b]
+        what = "positions of the token's sequence"
+    else:
+        limit = torch.full((tokens,), kv_cache.shape[0] * source.block_size)
+        what = "slots of the cache"
+    bad = read & (idx != -1) & ((idx < 0) | (idx >= limit[:, None]))
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"indices: [{t}, {j}] = {int(idx[t, j])} names no row ({what} are [0, {int(limit[t])}); "
+                         "-1 marks an empty entry)")
+
+
+@traceable
+def sparse_attention(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], indices: torch.Tensor,
+                     softmax_scale: float, *, topk_lens: Optional[torch.Tensor] = None,
+                     cu_q_lens: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                     lse: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+                     schedule: Optional[AttentionSchedule] = None, validate: bool = False,
+                     arch: Optional[str] = None, kv_format: Optional[str] = None,
+                     kv_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention: query token t attends only to the cache rows indices[t] names -> (out, lse).
+
+    One call serves decode (T = batch), multi-token decode and prefill (T = packed tokens). q [T, H, 576]
+    = [q_lat | q_pe] (fp16, or bf16 on sm80+); indices int32 [T, k] (any row stride, last dim
+    contiguous), -1 = no row. A paged kv_cache [num_blocks, block_size, 576] (or a quantized one:
+    ``kv_format``, ``kv_scale`` as in decode) takes physical slots, block * block_size + offset (FlashMLA's
+    and vLLM's form); a layout.BlockPointerCache takes positions in each token's sequence, with cu_q_lens
+    int32 [B + 1] saying which tokens are sequence b's (TurboMind's form; tokens past cu_q_lens[B] get out
+    0 and lse -inf). topk_lens int32 [T] (optional): token t reads only indices[t, :topk_lens[t]].
+    An index that names no row (-1, a slot or position outside the cache) is left out of the softmax and
+    never read; ``validate=True`` raises for any but -1 instead (a host sync). Repeated indices count once
+    each. A token with no row gets out 0 and lse -inf. Returns out [T, H, 512] (q's dtype) and lse [T, H]
+    float32 (natural log). For CUDA graphs pass ``workspace`` and ``schedule`` from
+    sparse_attention_schedule(T, H, k). ``arch`` forces a kernel variant ("sm70", "sm75", "sm80", "sm90").
+    Reference: mla_kv.reference.sparse_attention (and sparse_attention_blocks).
+    """
+    _check_arch(arch)
+    _check_q(q, 3)
+    tokens, heads, _ = q.shape
+    softmax_scale = real("softmax_scale", softmax_scale, above=0)
+    _tensor("indices", indices, dims=2, dtype=torch.int32, last_contiguous=True)
+    _size("indices", indices, 0, tokens)
+    topk = indices.shape[1]
+    if topk_lens is not None:
+        _check_lens("topk_lens", topk_lens, tokens)
+    blocks = isinstance(kv_cache, BlockPointerCache)
+    if blocks:
+        if cu_q_lens is None:
+            raise ValueError("cu_q_lens: a BlockPointerCache's indices are positions of each token's sequence: pass "
+                             "cu_q_lens int32 [B + 1]")
+        _check_lens("cu_q_lens", cu_q_lens, kv_cache.batch + 1)
+    elif cu_q_lens is not None:
+        raise ValueError("cu_q_lens: a paged cache's indices are physical slots; cu_q_lens belongs to a "
+                         "BlockPointerCache")
+    extra = {k: v for k, v in (("topk_lens", topk_lens), ("cu_q_lens", cu_q_lens)) if v is not None}
+    device, source = _check_attention_inputs(
+        q, kv_cache, indices, kv_cache.batch if blocks else tokens,
+        dict(q=q, indices=indices, kv_cache=None if blocks else kv_cache, **extra), kv_format, kv_scale,
+        table_name="indices")
+    out = _result_tensor("out", out, (tokens, heads, LATENT_DIM), q.dtype, device)
+    _check_vector_aligned("out", out)
+    lse = _result_tensor("lse", lse, (tokens, heads), _lse_dtype(q), device)
+    if validate:
+        _validate_indices(indices, topk_lens, cu_q_lens, kv_cache, source, tokens)
+    if device.type != "cuda":
+        if blocks:
+            raise ValueError("cache: block-pointer ops run on CUDA tensors only")
+        return reference.sparse_attention(q, kv_cache, indices, softmax_scale, topk_lens=topk_lens, out=out, lse=lse,
+                                          **_reference_format(source))
+    if schedule is None:
+        schedule = sparse_attention_schedule(tokens, heads, topk, device=device, arch=arch)
+    elif schedule.split != "uniform":
+        raise ValueError("schedule: sparse attention splits each token's rows alike: pass "
+                         "sparse_attention_schedule(T, H, k)")
+    ws = _workspace(workspace, schedule, device, max_kv=topk, total_tokens=tokens, heads=heads)
+    params = _attention_params(q, out, lse, packed=False, batch=tokens, q_len=1, kv_lens=topk_lens, cu_q_lens=None,
+                               causal=False, scale=softmax_scale, schedule=schedule)
+    params.uniform_kv_len = topk
+    params.workspace = 0 if ws is None else ws.data_ptr()
+    tag = _kernel_arch(device, q.dtype, arch)
+    _check_tiles(_C.attention_launch_tiles(params, tag), tag, device, schedule.smem_limits)
+    with torch.cuda.device(device):
+        if blocks:
+            _C.sparse_attention_blocks(params, _blocks_cache(kv_cache), indices.data_ptr(), indices.stride(0), topk,
+                                       cu_q_lens.data_ptr(), tag, _stream(device))
+        else:
+            _C.sparse_attention(params, _paged_cache(kv_cache, source.kv_format, source.kv_scale, source.block_size),
+                                indices.data_ptr(), indices.stride(0), topk, tag, _stream(device))
     return out, lse

@@ -54,6 +54,13 @@ Schemas (``(a!)``: written in place)::
                      SymInt max_kv_len, bool causal=True, SymInt? max_prefix_len=None, SymInt kv_chunk=8192,
                      str? kv_format=None, float? kv_scale=None, bool validate=False,
                      str attention_kernel="auto", str? arch=None) -> (Tensor out, Tensor lse)
+    sparse_attention(Tensor q, Tensor kv_cache, Tensor indices, float softmax_scale, Tensor? topk_lens,
+                     Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None,
+                     str? kv_format=None, float? kv_scale=None) -> (Tensor out, Tensor lse)
+    sparse_attention_blocks(Tensor q, Tensor block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
+                            SymInt layer_offset_bytes, Tensor indices, Tensor cu_q_lens, float softmax_scale,
+                            Tensor? topk_lens, Tensor(a!)? workspace, *, <cache keywords>, <schedule keywords>,
+                            bool validate=False, str? arch=None) -> (Tensor, Tensor)
     merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)
     expanded_attention(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_k_lens, float softmax_scale,
                        *, SymInt max_q_len, bool causal=True, str? arch=None, SymInt[]? smem_limits=None,
@@ -286,6 +293,35 @@ def prefill_expanded(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_q_lens
                                       attention_kernel=attention_kernel, arch=arch)
 
 
+def sparse_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, softmax_scale: float, topk_lens: Optional[Tensor],
+                     workspace: Optional[Tensor], *, num_splits: Optional[int] = None,
+                     tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
+                     tile_loads: str = "auto", validate: bool = False, arch: Optional[str] = None,
+                     kv_format: Optional[str] = None, kv_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.sparse_attention -> (out, lse), with the schedule flattened."""
+    schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
+    return _attention.sparse_attention(q, kv_cache, indices, softmax_scale, topk_lens=topk_lens, workspace=workspace,
+                                    schedule=schedule, validate=validate, arch=arch, kv_format=kv_format,
+                                    kv_scale=kv_scale)
+
+
+def sparse_attention_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
+                            layer_offset_bytes: int, indices: Tensor, cu_q_lens: Tensor, softmax_scale: float,
+                            topk_lens: Optional[Tensor], workspace: Optional[Tensor], *,
+                            dtype: Optional[torch.dtype] = None, rope_first: bool = True,
+                            row_stride_bytes: Optional[int] = None, kv_format: Optional[str] = None,
+                            kv_scale: Optional[float] = None, num_splits: Optional[int] = None,
+                            tokens_per_split: Optional[int] = None, smem_limits: Optional[List[int]] = None,
+                            tile_loads: str = "auto", validate: bool = False,
+                            arch: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """mla_kv.sparse_attention over a BlockPointerCache -> (out, lse), cache and schedule flattened."""
+    cache = _cache(q, "q", block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes, dtype, rope_first,
+                   row_stride_bytes, kv_format, kv_scale)
+    schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
+    return _attention.sparse_attention(q, cache, indices, softmax_scale, topk_lens=topk_lens, cu_q_lens=cu_q_lens,
+                                    workspace=workspace, schedule=schedule, validate=validate, arch=arch)
+
+
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
     """mla_kv.merge_states -> (out, lse)."""
     return _attention.merge_states(out_a, lse_a, out_b, lse_b)
@@ -363,6 +399,8 @@ _OPS = (
     (prefill, ("workspace",), _attention_fake(3)),
     (prefill_blocks, ("workspace",), _attention_fake(3)),
     (prefill_expanded, ("workspace",), _prefill_expanded_fake),
+    (sparse_attention, ("workspace",), _attention_fake(3)),
+    (sparse_attention_blocks, ("workspace",), _attention_fake(3)),
     (merge_states, (), _merge_states_fake),
     (expanded_attention, (), _expanded_attention_fake),
     (gather_kv, ("out",), _writes_only),
@@ -503,6 +541,26 @@ def _traced_prefill_expanded(q, kv_cache, block_table, cu_q_lens, kv_lens, w_uk,
     return _filled(out, lse, result)
 
 
+def _traced_sparse_attention(q, kv_cache, indices, softmax_scale, *, topk_lens=None, cu_q_lens=None, out=None,
+                             lse=None, workspace=None, schedule=None, validate=False, arch=None, kv_format=None,
+                             kv_scale=None):
+    split = {} if schedule is None else schedule_kwargs(schedule)
+    if isinstance(kv_cache, BlockPointerCache):
+        _blocks_read(kv_format, kv_scale)
+        result = torch.ops.mla_kv.sparse_attention_blocks(q, *block_pointer_args(kv_cache), indices, cu_q_lens,
+                                                          softmax_scale, topk_lens, workspace,
+                                                          **block_pointer_kwargs(kv_cache), **split,
+                                                          validate=validate, arch=arch)
+    else:
+        if cu_q_lens is not None:
+            raise ValueError("cu_q_lens: a paged cache's indices are physical slots; cu_q_lens belongs to a "
+                             "BlockPointerCache")
+        result = torch.ops.mla_kv.sparse_attention(q, kv_cache, indices, softmax_scale, topk_lens, workspace, **split,
+                                                   validate=validate, arch=arch, kv_format=kv_format,
+                                                   kv_scale=kv_scale)
+    return _filled(out, lse, result)
+
+
 def _traced_merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     return _filled(out, lse, torch.ops.mla_kv.merge_states(out_a, lse_a, out_b, lse_b))
 
@@ -539,6 +597,7 @@ _TRACED_FORMS = {
     "write_kv_blocks": _traced_write_kv_blocks, "fused_write_kv_blocks": _traced_fused_write_kv_blocks,
     "decode": _traced_decode, "prefill": _traced_prefill, "prefill_expanded": _traced_prefill_expanded,
     "merge_states": _traced_merge_states, "expanded_attention": _traced_expanded_attention,
+    "sparse_attention": _traced_sparse_attention,
     "gather_kv": _traced_gather_kv,
 }
 _OP_NAMES = {fn.__name__ for fn, _, _ in _OPS}

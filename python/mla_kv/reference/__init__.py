@@ -8,17 +8,20 @@ Shapes use T tokens, H heads, R = 576 = 512 (latent c_kv) + 64 (rope key k_pe).
 By family: ``write`` (rms_norm, apply_rope, write_kv, fused_write_kv), ``attention`` (decode, prefill,
 merge_states and the block-pool forms), ``gather`` (gather_kv, gather_kv_blocks) and ``quant``
 (the byte layouts of the quantized cache formats: quantize_rows, dequantize_rows, pack_blocks,
-unpack_blocks) and ``expanded`` (prefill_expanded: the expanded-route prefill; expanded_attention:
+unpack_blocks), ``sparse`` (sparse_attention and its block-pool form: DeepSeek Sparse Attention over
+the rows an index names) and ``expanded`` (prefill_expanded: the expanded-route prefill; expanded_attention:
 its attention over per-head K and V).
 """
 from .attention import decode, decode_blocks, merge_states, prefill, prefill_blocks
 from .expanded import expanded_attention, prefill_expanded
 from .gather import gather_kv, gather_kv_blocks
 from .quant import dequantize_rows, pack_blocks, quantize_rows, unpack_blocks
+from .sparse import sparse_attention, sparse_attention_blocks
 from .write import LATENT_DIM, ROPE_DIM, ROW_DIM, apply_rope, fused_write_kv, rms_norm, write_kv
 
 __all__ = [
     "LATENT_DIM", "ROPE_DIM", "ROW_DIM", "apply_rope", "decode", "decode_blocks", "dequantize_rows",
     "expanded_attention", "fused_write_kv", "gather_kv", "gather_kv_blocks", "merge_states", "pack_blocks",
-    "prefill", "prefill_blocks", "prefill_expanded", "quantize_rows", "rms_norm", "unpack_blocks", "write_kv",
+    "prefill", "prefill_blocks", "prefill_expanded", "quantize_rows", "rms_norm", "sparse_attention",
+    "sparse_attention_blocks", "unpack_blocks", "write_kv",
 ]

@@ -22,40 +22,8 @@ import torch
 from .._checks import real, tensor
 from ..layout import LATENT_DIM, ROW_DIM, BlockPool, block_table_slots
 from . import quant
-from ._common import (_check_index, _check_lengths, _check_packed, _check_table, _paged_from_blocks,
-                      _result, _sequence_rows)
-
-
-# ------------------------------------------------------------------------------------- math
-def _acc_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _attend(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
-            softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Query n [N, H, 576] attends to rows[:visible[n]] of rows [L, 576].
-
-    Returns out [N, H, 512] and lse [N, H] in the accumulation dtype of q.
-    """
-    acc = _acc_dtype(q)
-    qf, kf = q.to(acc), rows.to(acc)
-    counts = visible.clamp(0, kf.shape[0]).to(q.device)                      # rows each query sees
-    seen = torch.arange(kf.shape[0], device=q.device)[None, :] < counts[:, None]   # [N, L]
-    scores = torch.einsum("nhd,ld->nhl", qf, kf) * softmax_scale
-    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                    # -inf when nothing is seen
-    # exp(-inf - (-inf)) would be NaN; a query with no key keeps all-zero weights instead.
-    weights = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
-    # Each query sums only the rows it sees: a zero weight times a NaN or Inf row that it cannot see
-    # would still make its output NaN. Such rows are rare, so the product runs with them zeroed and
-    # each is added back for the queries that see it.
-    values = kf[:, :LATENT_DIM]
-    finite = torch.isfinite(values).all(dim=-1)
-    out = torch.einsum("nhl,ld->nhd", weights, torch.where(finite[:, None], values, 0.0))
-    for row in (~finite).nonzero().flatten().tolist():
-        sel = seen[:, row]
-        out[sel] += weights[sel, :, row, None] * values[row]
-    return out, lse
+from ._common import (_acc_dtype, _attend, _check_index, _check_lengths, _check_packed, _check_table,
+                      _paged_from_blocks, _result, _sequence_rows)
 
 
 # -------------------------------------------------------------------------------- paged ops
