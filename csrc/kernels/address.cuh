@@ -117,6 +117,7 @@ struct PagedTableRows {
   __device__ __forceinline__ RowRef locate(int b, int pos) const {
     return {block_base(b, pos), block_offset(pos, cache.block_size)};
   }
+  __device__ __forceinline__ int kv_len(const int* kv_lens, int b) const { return kv_lens[b]; }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
   static constexpr bool kMasksMissing = false;  // a missing row reads as zeros (attention.h)
 };
@@ -137,6 +138,7 @@ struct BlockPointerTableRows {
   __device__ __forceinline__ RowRef locate(int b, int pos) const {
     return {block_base(b, pos), block_offset(pos, cache.block_seq_len)};
   }
+  __device__ __forceinline__ int kv_len(const int* kv_lens, int b) const { return kv_lens[b]; }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
   static constexpr bool kMasksMissing = false;
 };
@@ -149,6 +151,10 @@ struct SparseIndexRows {
   int64_t stride;
   int topk;
   __device__ __forceinline__ int index(int t, int j) const { return j < topk ? __ldg(indices + t * stride + j) : -1; }
+  // Token t's indices read: its top-k length (kv_lens, optional) within topk.
+  __device__ __forceinline__ int kv_len(const int* kv_lens, int t) const {
+    return kv_lens == nullptr ? topk : min(kv_lens[t], topk);
+  }
 };
 
 // Indices are physical slots of a paged cache, block * block_size + offset (FlashMLA's and vLLM's form).
@@ -165,6 +171,7 @@ struct SparseSlotRows {
             block_offset(slot, cache.block_size)};
   }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  __device__ __forceinline__ int kv_len(const int* kv_lens, int t) const { return at.kv_len(kv_lens, t); }
   static constexpr bool kMasksMissing = true;
 };
 
@@ -186,6 +193,7 @@ struct SparseBlockRows {
             block_offset(pos, cache.block_seq_len)};
   }
   __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  __device__ __forceinline__ int kv_len(const int* kv_lens, int t) const { return at.kv_len(kv_lens, t); }
   static constexpr bool kMasksMissing = true;
 };
 

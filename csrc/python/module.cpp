@@ -163,7 +163,6 @@ PYBIND11_MODULE(_C, m) {
       .PTR_PROPERTY(AttentionParams, cu_q_lens)
       .def_readwrite("total_q_tokens", &AttentionParams::total_q_tokens)
       .PTR_PROPERTY(AttentionParams, kv_lens)
-      .def_readwrite("uniform_kv_len", &AttentionParams::uniform_kv_len)
       .def_readwrite("causal", &AttentionParams::causal)
       .def_readwrite("softmax_scale", &AttentionParams::softmax_scale)
       .PTR_PROPERTY(AttentionParams, q)

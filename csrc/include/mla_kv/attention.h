@@ -47,8 +47,7 @@ struct AttentionParams {
   int q_len;               // uniform q_len (ignored when packed)
   const int* cu_q_lens;    // device [batch + 1] or nullptr
   int64_t total_q_tokens;  // batch * q_len (uniform) or T (packed)
-  const int* kv_lens;      // device [batch], or nullptr: every kv_len is uniform_kv_len
-  int uniform_kv_len = 0;
+  const int* kv_lens;      // device [batch] (sparse attention: may be null)
   bool causal;
   float softmax_scale;
   // Row (b, token, h) of q / out / lse: ptr + b * stride_b + token * stride_t + h * stride_h, where
@@ -145,10 +144,10 @@ Status invokeAttentionBlocks(const AttentionParams& params, const BlockPointerCa
 // Sparse attention (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5.x): query token t attends only to
 // the cache rows its index row names. params describe T = params.batch "sequences" of one query token
 // each (q_len 1, cu_q_lens null, not causal; q / out / lse strides of the token on stride_b), position
-// j < kv_len_t of token t being the row indices[t * stride + j]; kv_len_t = kv_lens[t] (the tokens'
-// top-k lengths) or, with kv_lens null, uniform_kv_len (= topk). Only j < topk is read. A row that does
-// not exist (index -1, outside the cache) is left out of the softmax and never read; a token with no
-// row gets out 0 and lse -inf. Repeated indices count once each. The splits must cover topk.
+// j < kv_len_t of token t being the row indices[t * stride + j]; kv_len_t = min(kv_lens[t], topk) (the
+// tokens' top-k lengths) or, with kv_lens null, topk. A row that does not exist (index -1, outside the
+// cache) is left out of the softmax and never read; a token with no row gets out 0 and lse -inf. Each
+// repeat of an index counts again, as a gather of the rows would. The splits must cover topk.
 struct SparseIndices {
   const int* indices = nullptr;  // device [T, stride] int32
   int64_t stride = 0;            // >= topk

@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(threads_of(kTma, kFormat), 1)
 
     arch::launch_dependents();  // the combine's CTAs may be scheduled now (CombineLaunch::kEarly)
     Work w;
-    if (!find_work<kRows>(p, w)) return;
+    if (!find_work<kRows>(p, rows, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Warpgroup index, broadcast from lane 0 so that the compiler knows it is warp-uniform: the wgmma
     // descriptors derived from it then stay in uniform registers.

@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
     // The combine's CTAs may be scheduled now (CombineLaunch::kEarly); a pair has no combine after it.
     if constexpr (!kPair) arch::launch_dependents();
     Work w;
-    if (!find_work<N>(p, w)) return;
+    if (!find_work<N>(p, rows, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rows_here = min(N, w.q_len * p.num_heads - w.row0);
     const int tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + kTokens - 1) / kTokens : 0;

@@ -53,8 +53,8 @@ __device__ __forceinline__ bool find_planned_work(const AttentionParams& p, Work
   return true;
 }
 
-template <int kBlockM>
-__device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
+template <int kBlockM, class Rows>
+__device__ __forceinline__ bool find_work(const AttentionParams& p, const Rows& rows, Work& w) {
   if (p.plan != nullptr) return find_planned_work(p, w);
   const int bx = blockIdx.x;
   if (p.cu_q_lens == nullptr) {
@@ -80,7 +80,7 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, Work& w) {
     w.q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
     w.token_base = p.cu_q_lens[b];
   }
-  w.kv_len = p.kv_lens != nullptr ? p.kv_lens[w.b] : p.uniform_kv_len;
+  w.kv_len = rows.kv_len(p.kv_lens, w.b);
   const int last_row = min(w.row0 + kBlockM, w.q_len * p.num_heads) - 1;
   const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;
   w.kv_lo = blockIdx.y * p.tokens_per_split;

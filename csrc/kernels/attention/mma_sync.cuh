@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
     float* sum_s = max_s + kBlockM;
 
     Work w;
-    if (!find_work<kBlockM>(p, w)) return;
+    if (!find_work<kBlockM>(p, rows, w)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rows_here = min(kBlockM, w.q_len * p.num_heads - w.row0);
 
@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
 #pragma unroll
       for (int i = 0; i < kLookups; ++i) {
         const int pos = j0 + 32 * i + lane;
-        const RowRef ref = pos < w.kv_hi ? rows.locate(w.b, pos) : RowRef{nullptr, 0};
+        RowRef ref{nullptr, 0};
+        if (pos < w.kv_hi) ref = rows.locate(w.b, pos);
         next_row[i] = row_at(rows, ref);
         if constexpr (kTrailer) next_pair[i] = ref.block ? trailer_at(rows, ref) : nullptr;
         if constexpr (kMasks) next_valid[i] = __ballot_sync(0xffffffffu, ref.block != nullptr);

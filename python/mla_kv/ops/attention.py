@@ -601,8 +601,8 @@ def sparse_attention(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointer
     int32 [B + 1] saying which tokens are sequence b's (TurboMind's form; tokens past cu_q_lens[B] get out
     0 and lse -inf). topk_lens int32 [T] (optional): token t reads only indices[t, :topk_lens[t]].
     An index that names no row (-1, a slot or position outside the cache) is left out of the softmax and
-    never read; ``validate=True`` raises for any but -1 instead (a host sync). Repeated indices count once
-    each. A token with no row gets out 0 and lse -inf. Returns out [T, H, 512] (q's dtype) and lse [T, H]
+    never read; ``validate=True`` raises for any but -1 instead (a host sync). An index repeated counts each
+    time. A token with no row gets out 0 and lse -inf. Returns out [T, H, 512] (q's dtype) and lse [T, H]
     float32 (natural log). For CUDA graphs pass ``workspace`` and ``schedule`` from
     sparse_attention_schedule(T, H, k). ``arch`` forces a kernel variant ("sm70", "sm75", "sm80", "sm90").
     Reference: mla_kv.reference.sparse_attention (and sparse_attention_blocks).
@@ -648,7 +648,6 @@ def sparse_attention(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointer
     ws = _workspace(workspace, schedule, device, max_kv=topk, total_tokens=tokens, heads=heads)
     params = _attention_params(q, out, lse, packed=False, batch=tokens, q_len=1, kv_lens=topk_lens, cu_q_lens=None,
                                causal=False, scale=softmax_scale, schedule=schedule)
-    params.uniform_kv_len = topk
     params.workspace = 0 if ws is None else ws.data_ptr()
     tag = _kernel_arch(device, q.dtype, arch)
     _check_tiles(_C.attention_launch_tiles(params, tag), tag, device, schedule.smem_limits)

@@ -301,8 +301,8 @@ def sparse_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, softmax_scale
     """mla_kv.sparse_attention -> (out, lse), with the schedule flattened."""
     schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
     return _attention.sparse_attention(q, kv_cache, indices, softmax_scale, topk_lens=topk_lens, workspace=workspace,
-                                    schedule=schedule, validate=validate, arch=arch, kv_format=kv_format,
-                                    kv_scale=kv_scale)
+                                       schedule=schedule, validate=validate, arch=arch, kv_format=kv_format,
+                                       kv_scale=kv_scale)
 
 
 def sparse_attention_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
@@ -319,7 +319,7 @@ def sparse_attention_blocks(q: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor
                    row_stride_bytes, kv_format, kv_scale)
     schedule = _schedule(q, 3, num_splits, tokens_per_split, smem_limits, tile_loads)
     return _attention.sparse_attention(q, cache, indices, softmax_scale, topk_lens=topk_lens, cu_q_lens=cu_q_lens,
-                                    workspace=workspace, schedule=schedule, validate=validate, arch=arch)
+                                       workspace=workspace, schedule=schedule, validate=validate, arch=arch)
 
 
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
