@@ -10,6 +10,7 @@
 #include "mla_kv/attention.h"
 #include "mla_kv/expanded.h"
 #include "mla_kv/gather.h"
+#include "mla_kv/indexer.h"
 #include "mla_kv/layout.h"
 #include "mla_kv/merge.h"
 #include "mla_kv/write.h"
@@ -103,6 +104,15 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("block_ptrs"), py::arg("cu_block_nums"), py::arg("batch"),
            py::arg("block_seq_len"), py::arg("layer_offset_bytes"), py::arg("row"));
+
+  py::class_<IndexCache>(m, "IndexCache")
+      .def(py::init([](uintptr_t base, int64_t num_blocks, int page_size, int64_t block_stride_bytes) {
+             return IndexCache{as_ptr<void>(base), num_blocks, page_size, block_stride_bytes};
+           }),
+           py::arg("base"), py::arg("num_blocks"), py::arg("page_size"), py::arg("block_stride_bytes"));
+  py::enum_<IndexScaleFormat>(m, "IndexScaleFormat")
+      .value("raw", IndexScaleFormat::kRaw)
+      .value("ue8m0", IndexScaleFormat::kPow2);
 
   py::class_<WriteKvParams>(m, "WriteKvParams")
       .def(py::init([]() { return WriteKvParams{}; }))

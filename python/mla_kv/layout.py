@@ -42,6 +42,55 @@ _ROW_BYTES = {"fp8": ROW_DIM, "fp8_ds_mla": LATENT_DIM + 4 * 4 + ROPE_DIM * 2, "
 TRAILER_FORMATS = ("int8", "int4")  # formats whose per-token (scale, zero) sit after a block's rows
 
 
+# The DeepSeek Sparse Attention indexer's key cache (one per indexed layer; csrc/include/mla_kv/indexer.h):
+# per token 128 e4m3 codes and one fp32 scale, a page holding all its tokens' codes first, then all their
+# scales. One layer's cache is uint8 [num_blocks, page_size, 132] (or [num_blocks, page_size, 1, 132], the
+# engines' view); only the block stride may exceed page_size * 132 bytes.
+INDEX_DIM = 128
+INDEX_ROPE_DIM = 64  # the rope part is the FIRST 64 dims of an index key or query
+INDEX_ROW_BYTES = INDEX_DIM + 4
+INDEX_SCALE_FORMATS = (None, "ue8m0")  # the model's scale_fmt: raw amax / 448, or rounded up to 2^n
+
+
+def index_cache_shape(num_blocks: int, page_size: int) -> tuple:
+    """The shape of one layer's index-key cache: uint8 [num_blocks, page_size, 132]."""
+    _checks.integer("num_blocks", num_blocks, 1)
+    _checks.integer("page_size", page_size, 1)
+    return (num_blocks, page_size, INDEX_ROW_BYTES)
+
+
+def check_index_cache(index_cache, name: str = "index_cache") -> int:
+    """Checks an index-key cache (uint8 [num_blocks, page_size, 132] or [num_blocks, page_size, 1, 132],
+    each page contiguous, the block stride a multiple of 16 bytes and >= a page) and returns page_size."""
+    _checks.tensor(name, index_cache, dtype=torch.uint8)
+    shape = tuple(index_cache.shape)
+    if not (len(shape) == 3 or (len(shape) == 4 and shape[2] == 1)) or shape[-1] != INDEX_ROW_BYTES:
+        raise ValueError(f"{name}: expected uint8 [num_blocks, page_size, {INDEX_ROW_BYTES}] (or "
+                         f"[num_blocks, page_size, 1, {INDEX_ROW_BYTES}]), got {shape}")
+    page_size = shape[1]
+    inner = index_cache[0] if shape[0] else index_cache.new_empty(shape[1:])
+    if shape[0] and not inner.is_contiguous():
+        raise ValueError(f"{name}: each page must be contiguous (strides {index_cache.stride()})")
+    stride = index_cache.stride(0)
+    if shape[0] > 1 and (stride < page_size * INDEX_ROW_BYTES or stride % 16):
+        raise ValueError(f"{name}: the block stride ({stride} B) must be >= a page ({page_size * INDEX_ROW_BYTES} B) "
+                         "and a multiple of 16")
+    if index_cache.device.type == "cuda" and index_cache.data_ptr() % 16:
+        raise ValueError(f"{name}: its data pointer must be 16-byte aligned")
+    return page_size
+
+
+def index_cache_parts(index_cache: torch.Tensor):
+    """(codes, scales) of an index-key cache: codes uint8 [num_blocks, page_size, 128] (a view of the pages'
+    first region) and scales float32 [num_blocks, page_size] (a copy of the second); value = code * scale."""
+    page_size = check_index_cache(index_cache)
+    num_blocks = index_cache.shape[0]
+    pages = index_cache.as_strided((num_blocks, page_size * INDEX_ROW_BYTES), (index_cache.stride(0), 1))
+    codes = pages[:, :page_size * INDEX_DIM].unflatten(1, (page_size, INDEX_DIM))
+    scales = pages[:, page_size * INDEX_DIM:].contiguous().view(torch.float32)
+    return codes, scales
+
+
 def check_kv_format(kv_format, name: str = "kv_format") -> None:
     if kv_format not in KV_FORMATS:
         raise ValueError(f"{name}: one of {', '.join(map(repr, KV_FORMATS))}, got {kv_format!r}")

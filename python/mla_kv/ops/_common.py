@@ -259,6 +259,12 @@ def _blocks_cache(cache: BlockPointerCache):
                                 cache.block_seq_len, cache.layer_offset_bytes, row)
 
 
+def _index_cache(index_cache):
+    """The _C.IndexCache of an index-key cache checked by mla_kv.layout.check_index_cache."""
+    return _C.IndexCache(index_cache.data_ptr(), index_cache.shape[0], index_cache.shape[1],
+                         index_cache.stride(0))
+
+
 # ------------------------------------------------------------------------ attention inputs
 def _lse_dtype(x: torch.Tensor) -> torch.dtype:
     """float32, or float64 for float64 inputs (the CPU reference's checking precision)."""
