@@ -7,9 +7,10 @@
 // ldmatrix). Operand fragments (FragA, FragB) are separate objects so that a kernel loads an
 // operand once and reuses it against several tiles of the other. acc_row/acc_col say where
 // accumulator element i of a lane sits in the tile, so softmax and epilogues are written once for
-// all tags. An A operand (load_a) keeps its row r at shared-memory row a_row(r), which writers of A
-// tiles (Q, P) use too: the identity on Sm75 / Sm80, whose ldmatrix reads are conflict-free; on Sm70
-// rows 4-7 and 8-11 of every 16 trade places (see there).
+// all tags (kAccRowLanes: which lanes share a column). An A operand (load_a) keeps its row r at
+// shared-memory row a_row(r), which writers of A tiles (Q, P) use too: the identity on Sm75 / Sm80,
+// whose ldmatrix reads are conflict-free; on Sm70 rows 4-7 and 8-11 of every 16 trade places (see
+// there).
 #pragma once
 
 #include <cstdint>
@@ -74,6 +75,9 @@ struct Sm8xFragments {
     ldmatrix_x4_trans(r, s + ((mat & 1) * 8 + (lane & 7)) * ld + (mat >> 1) * 8);
     f.r[0][0] = r[0]; f.r[0][1] = r[1]; f.r[1][0] = r[2]; f.r[1][1] = r[3];
   }
+  // Lane bits that change only an accumulator's row (with bit 1 of i in every tag): xor-shuffles over
+  // them, after adding elements i and i | 2, sum a tile's 16 rows per column.
+  static constexpr int kAccRowLanes = 0b11100;
   __device__ __forceinline__ static int acc_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
   __device__ __forceinline__ static int acc_col(int lane, int i) { return (i >> 2) * 8 + 2 * (lane & 3) + (i & 1); }
   __device__ __forceinline__ static int a_row(int r) { return r; }
@@ -178,6 +182,7 @@ struct WarpMma16<Sm70, __half> {
           : "r"(a.r[k][0]), "r"(a.r[k][1]), "r"(b.r[k][0]), "r"(b.r[k][1]));
     }
   }
+  static constexpr int kAccRowLanes = 0b10101;
   __device__ __forceinline__ static int acc_row(int lane, int i) {
     return (quad_pair(lane) & 1) * 8 + (lane & 1) + (i & 2) + ((lane >> 4) << 2);
   }
