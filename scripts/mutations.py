@@ -30,10 +30,12 @@ ARCHS = ("Sm70", "Sm75", "Sm80", "Sm90")
 ALL = ARCHS
 WRITE_ARCHS = ("Sm70", "Sm80")   # write/gather variants (Sm75 runs Sm70's, Sm90 runs Sm80's)
 MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
-FAMILIES = ("write", "gather", "attention", "expanded", "combine", "merge", "schedule")
+FAMILIES = ("write", "gather", "attention", "expanded", "combine", "merge", "schedule", "indexer")
+INDEX_SCORES_ARCHS = ("Sm70", "Sm75", "Sm80")  # index_scores_kernel (the Sm90 tag runs the Sm80 one)
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
           "prefill", "mask", "guard", "rescale", "lse", "split", "rope", "rmsnorm", "softmax", "mma",
-          "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized", "sparse")
+          "pipeline", "TMA", "cp.async", "addressing", "dispatch", "context parallel", "quantized", "sparse",
+          "index scores", "index topk", "index keys")
 
 WRITE_CUH = "csrc/kernels/write/write_kv.cuh"
 ADDRESS_CUH = "csrc/kernels/address.cuh"
@@ -52,6 +54,9 @@ SM90_CUH = "csrc/kernels/attention/attention_sm90.cuh"
 NARROW_CUH = "csrc/kernels/attention/attention_sm90_narrow.cuh"
 EXPANDED_CUH = "csrc/kernels/expanded/expanded_attention.cuh"
 MERGE_CU = "csrc/kernels/attention/merge.cu"
+INDEX_SCORES_CUH = "csrc/kernels/indexer/index_scores.cuh"
+INDEX_TOPK_CUH = "csrc/kernels/indexer/index_topk.cuh"  # one kernel for every tag
+INDEX_KEYS_CUH = "csrc/kernels/indexer/index_keys.cuh"
 
 T_WRITE = ("tests/test_write.py",)
 T_GATHER = ("tests/test_gather.py",)
@@ -64,7 +69,10 @@ T_QUANT_ATTENTION = ("tests/test_attention_quant.py",)
 T_PLAN = ("tests/test_attention_plan.py",)
 T_EXPANDED = ("tests/test_expanded_attention.py",)
 T_SWEEP = ("tests/test_sweep.py",)
-T_SPARSE = ("tests/test_sparse_attention.py",)  # seeded random configurations of every op, canaries around every tensor
+T_SPARSE = ("tests/test_sparse_attention.py",)
+T_INDEX_TOPK = ("tests/test_index_topk.py",)
+T_INDEX_KEYS = ("tests/test_index_keys.py",)
+T_INDEX_SCORES = ("tests/test_index_scores.py",)  # seeded random configurations of every op, canaries around every tensor
 # Rescaling only matters when a later tile's max beats the running one by 2^8: random data never
 # does, only tests that plant such scores (named after score jumps / patterns in the suite).
 RESCALE_FOCUS = "jump or pattern or rescale"
@@ -526,6 +534,44 @@ MUTATIONS = (
              T_PLAN + T_ATTENTION, "length-aware plan: a unit's kv range stops one key short of its last row's",
              focus="plan"),
     # ------------------------------------------------------------------ sparse attention
+    Mutation("index-scores-relu-dropped", "indexer", INDEX_SCORES_ARCHS, ("index scores", "mma"), INDEX_SCORES_CUH,
+             "float v = fmaxf(acc[m][n][i], 0.f) * weight[m][i]", "float v = acc[m][n][i] * weight[m][i]",
+             T_INDEX_SCORES, "index scores: a head's negative dot product is added instead of clipped at 0",
+             focus="decode and fp16"),
+    Mutation("index-scores-causal-off-by-one", "indexer", INDEX_SCORES_ARCHS, ("index scores", "mask"),
+             INDEX_SCORES_CUH, "pos <= pos_of_first + j ?", "pos < pos_of_first + j ?", T_INDEX_SCORES,
+             "index scores: a token's own key (written before its scores) is left out", focus="prefill"),
+    Mutation("index-scores-scale-parity", "indexer", INDEX_SCORES_ARCHS, ("index scores", "pipeline"),
+             INDEX_SCORES_CUH, "sum * s.key_scale[tile & 1][n]", "sum * s.key_scale[(tile + 1) & 1][n]",
+             T_INDEX_SCORES, "index scores: a tile's logits take the other tile's key scales", focus="decode"),
+    Mutation("index-scores-bf16-factor", "indexer", INDEX_SCORES_ARCHS, ("index scores", "quantized"),
+             INDEX_SCORES_CUH, "if constexpr (kQ == kQBf16) w *= factor;", "if constexpr (kQ == kQBf16) w *= 1.f;",
+             T_INDEX_SCORES, "index scores: bf16 rows scaled into fp16 range are not scaled back", focus="bf16"),
+    Mutation("index-scores-scales-interleaved", "indexer", INDEX_SCORES_ARCHS, ("index scores", "addressing"),
+             INDEX_SCORES_CUH, "int64_t(cache.page_size) * kIndexDim + offset * 4", "offset * kIndexRowBytes + kIndexDim",
+             T_INDEX_SCORES, "index scores: a token's scale read after its own 128 codes (a [128 | 4] row) instead "
+             "of after the page's codes", focus="decode"),
+    Mutation("index-topk-ties-later-chunks-first", "indexer", ALL, ("index topk", "split"), INDEX_TOPK_CUH,
+             "if (splits > 1 && tid < split) {", "if (splits > 1 && tid > split && tid < splits) {", T_INDEX_TOPK,
+             "index top-k: a split row's CTAs rank their tied keys after the later chunks', so ties prefer the "
+             "larger position", focus="ties"),
+    Mutation("index-topk-bucket-off-by-one", "indexer", ALL, ("index topk", "guard"), INDEX_TOPK_CUH,
+             "prefix = (prefix << digit_bits(round)) | uint32_t(found_s[0]);",
+             "prefix = (prefix << digit_bits(round)) | uint32_t(found_s[0] + 1);", T_INDEX_TOPK,
+             "index top-k: the threshold digit one bucket above the k-th key's, leaving part of the row unwritten",
+             focus="matches_reference"),
+    Mutation("index-topk-decode-sees-next-position", "indexer", ALL, ("index topk", "mask", "decode"),
+             INDEX_TOPK_CUH, "last = int64_t(p.kv_lens[seq]) - 1;", "last = int64_t(p.kv_lens[seq]);", T_INDEX_TOPK,
+             "index top-k: a decode token also sees the position after its own", focus="matches_reference"),
+    Mutation("index-topk-slot-next-page", "indexer", ALL, ("index topk", "paged slots"), INDEX_TOPK_CUH,
+             "const int block = p.block_table[int64_t(seq) * p.block_table_stride + column];",
+             "const int block = p.block_table[int64_t(seq) * p.block_table_stride + column + 1];", T_INDEX_TOPK,
+             "index top-k: a position's slot taken from the next page's block", focus="slots"),
+    Mutation("index-topk-histograms-left-dirty", "indexer", ALL, ("index topk", "split"), INDEX_TOPK_CUH,
+             "for (int w = tid; w < kHistWords; w += kThreads) state[kCounterWords + w] = 0;",
+             "for (int w = tid; w < kHistWords / 2; w += kThreads) state[kCounterWords + w] = 0;", T_INDEX_TOPK,
+             "index top-k: a split row's last histograms are not reset, so the next launch (a graph replay) adds "
+             "to them", focus="workspace or graph"),
     Mutation("sparse-mask-ignored", "attention", MMA_SYNC, ("sparse", "mask"), MMA_SYNC_CUH,
              "(j0 + my_col0 + c < row_limit && ((valid >> c) & 1))", "(j0 + my_col0 + c < row_limit && ((valid >> c) | 1))",
              T_SPARSE, "sparse attention: a missing row (-1, outside the cache) scores 0 instead of leaving the softmax",
@@ -551,6 +597,27 @@ MUTATIONS = (
              "const int b = sequence_of(cu_q_lens, cache.batch, t + 1);", T_SPARSE,
              "block-pointer sparse attention: a sequence's last token reads the next sequence's positions",
              focus="block_pointers"),
+    # ------------------------------------------------------------------ index keys
+    Mutation("index-keys-hadamard-stage-skipped", "indexer", WRITE_ARCHS, ("index keys", "quantized"), INDEX_KEYS_CUH,
+             "  in_lane(8);", "  // (the butterflies over element bit 6 skipped)", T_INDEX_KEYS,
+             "index keys and queries: the Hadamard's last stage (elements e and e + 64) left out", focus="gpu"),
+    Mutation("index-keys-ue8m0-unrounded", "indexer", WRITE_ARCHS, ("index keys", "quantized"), INDEX_KEYS_CUH,
+             "if (format != IndexScaleFormat::kPow2) return s;", "return s;", T_INDEX_KEYS,
+             "index keys: scale_fmt ue8m0 keeps the raw scale instead of rounding it up to a power of two",
+             focus="gpu"),
+    Mutation("index-keys-scales-interleaved", "indexer", WRITE_ARCHS, ("index keys", "paged slots", "addressing"),
+             INDEX_KEYS_CUH,
+             "*reinterpret_cast<float*>(slot.region + int64_t(rows.rows_per_block()) * kIndexDim + slot.offset * 4) = s;",
+             "*reinterpret_cast<float*>(slot.region + slot.offset * kIndexRowBytes + kIndexDim) = s;", T_INDEX_KEYS,
+             "index keys: a token's scale written after its own codes (a [128 | 4] row) instead of after the page's "
+             "codes", focus="gpu"),
+    Mutation("index-keys-rope-style-swapped", "indexer", WRITE_ARCHS, ("index keys", "rope"), INDEX_KEYS_CUH,
+             "if (style == RopeStyle::kNeox) {", "if (style != RopeStyle::kNeox) {", T_INDEX_KEYS,
+             "index keys and queries: neox and interleaved rope pairs swapped", focus="gpu"),
+    Mutation("index-keys-position-bound", "indexer", WRITE_ARCHS, ("index keys", "guard"), INDEX_KEYS_CUH,
+             "if (pos < 0 || pos >= p.max_position) return;", "if (pos < 0 || pos > p.max_position) return;",
+             T_INDEX_KEYS, "index keys: position == max_position reads the cos/sin row past the table and writes",
+             focus="gpu"),
     # ------------------------------------------------------------------ merge_states
     Mutation("merge-lse-log2", "merge", ALL, ("lse",), COMMON_CUH,
              "return sum > 0.f ? m + logf(sum) : -INFINITY;",

@@ -150,6 +150,27 @@ def calls() -> List[Tuple[str, object]]:
                                                                        topk=300, splits=True)),
             ("sparse_attention/sm80/bfloat16/h64-split", sc.SparseCase(arch="sm80", dtype="bfloat16", tokens=2,
                                                                       heads=64, topk=300, splits=True))]
+    # Index scores: every tag and query kind; 64 heads (one token per CTA) with 4-token pages once.
+    out += [(f"index_scores/{arch or 'best'}/{kind}", sc.IndexScoresCase(arch=arch, q_kind=kind))
+            for arch in ARCH_TAGS for kind in ("float16", "bfloat16", "e4m3")]
+    out += [("index_scores/best/bfloat16/h64-page4", sc.IndexScoresCase(heads=64, q_kind="bfloat16", page_size=4,
+                                                                        kv_lens=(70, 200), q_lens=(1, 3)))]
+    # Index top-k: every tag over decode rows split across CTAs and packed prefill slots with ties; on the
+    # device's best also split rows too long for shared memory and one CTA per row (re-read from L2).
+    out += [(f"index_topk/{arch or 'best'}/decode-split", sc.IndexTopkCase(arch=arch)) for arch in ARCH_TAGS]
+    out += [(f"index_topk/{arch or 'best'}/prefill-slots-ties",
+             sc.IndexTopkCase(arch=arch, kv_lens=(3000, 40, 2200), q_lens=(5, 40, 3), k=64, page_size=64, ties=True))
+            for arch in ARCH_TAGS]
+    out += [("index_topk/best/decode-split-l2", sc.IndexTopkCase(kv_lens=(1_200_000,))),
+            ("index_topk/best/rows-l2", sc.IndexTopkCase(kv_lens=(9000,) * 129 + (100,), k=256, ties=True))]
+    # Index keys: every tag and dtype, paged (16-token pages, padded slots and slots past the cache) and block
+    # pointers (readonly rows, a context-parallel rank, 1-token pages), with 64 query heads.
+    for arch in ARCH_TAGS:
+        for dt in dtypes(arch):
+            out += [(f"write_index_keys/{arch or 'best'}/{dt}", sc.IndexKeysCase(arch=arch, dtype=dt, heads=64)),
+                    (f"write_index_keys_blocks/{arch or 'best'}/{dt}",
+                     sc.IndexKeysCase(arch=arch, dtype=dt, blocks=True, page_size=1, readonly=(3, 0, 2), cp=(2, 1),
+                                      rope_style="interleaved", scale_fmt="ue8m0"))]
     out += [("cp_decode/best/float16/cp2", CpCase(kv_lens=[70, 5], q_lens=[3, 3])),
             ("cp_prefill/best/float16/cp2", CpCase(prefill=True, kv_lens=[40, 9], q_lens=[7, 9]))]
     return out

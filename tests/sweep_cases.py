@@ -950,9 +950,275 @@ def run_sparse(case: SparseCase, device, seed: int) -> Outcome:
     return Outcome(problems, can.changed_bytes(out, lse, workspace))
 
 
+@dataclass
+class IndexScoresCase:
+    """index_scores over a paged index-key cache of random codes and scales: packed tokens of sequences with
+    cached prefixes (q_lens), a page id outside the cache in one table, out inside canaries with the columns
+    past max_kv_len and a padded token row in the canary region."""
+
+    arch: Optional[str] = None
+    q_kind: str = "float16"  # float16, bfloat16 or e4m3
+    heads: int = 32
+    kv_lens: Tuple[int, ...] = (130, 7, 300)
+    q_lens: Tuple[int, ...] = (2, 7, 1)
+    page_size: int = 64
+
+
+def run_index_scores(case: IndexScoresCase, device, seed: int) -> Outcome:
+    from mla_kv import layout
+    gen, cpu_gen = generators(device, seed)
+    can = Canaries(device, gen)
+    need = [-(-n // case.page_size) for n in case.kv_lens]
+    pages = sum(need) + 2
+    cache = can.tensor(layout.index_cache_shape(pages, case.page_size), torch.uint8)
+    codes = torch.randint(0, 256, cache.shape, generator=gen, device=device, dtype=torch.uint8)
+    cache.copy_(torch.where((codes & 0x7F) == 0x7F, codes ^ 1, codes))
+    scales = torch.rand(pages, case.page_size, generator=gen, device=device) * 0.1 + 0.01
+    cache.view(pages, -1)[:, case.page_size * layout.INDEX_DIM:] = scales.view(torch.uint8)
+    max_kv_len = max(case.kv_lens) + 3
+    width = -(-max_kv_len // case.page_size)
+    perm = torch.randperm(pages, generator=cpu_gen).int()
+    table = torch.full((len(need), width), pages + 3, dtype=torch.int32)  # past a sequence's pages: outside
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    table[0, need[0] - 1] = -2  # a page of sequence 0 is missing: zero keys
+    block_table = can.tensor(table.shape, torch.int32, pad=(0, 1))
+    block_table.copy_(table)
+    tokens = sum(case.q_lens)
+    if case.q_kind == "e4m3":
+        q = can.tensor((tokens + 1, case.heads, layout.INDEX_DIM), torch.uint8)[:tokens]
+        q.copy_(torch.randint(0, 126, q.shape, generator=gen, device=device, dtype=torch.uint8))
+        q_scale = can.tensor((tokens, case.heads), torch.float32)
+        q_scale.copy_(torch.rand(q_scale.shape, generator=gen, device=device) * 0.05)
+    else:
+        q = can.tensor((tokens + 1, case.heads, layout.INDEX_DIM), DTYPES[case.q_kind])[:tokens]
+        q.copy_(randn(q.shape, gen, device))
+        q_scale = None
+    weights = can.tensor((tokens, case.heads), torch.float32)
+    weights.copy_(randn(weights.shape, gen, device))
+    kv_lens = can.tensor((len(need),), torch.int32)
+    kv_lens.copy_(torch.tensor(case.kv_lens, dtype=torch.int32))
+    cu = can.tensor((len(need) + 1,), torch.int32)
+    cu.copy_(torch.tensor([0, *case.q_lens]).cumsum(0).int())
+    out = can.tensor((tokens, max_kv_len), torch.float32, pad=(1, 5))
+    result, failed = _call(lambda: mla_kv.index_scores(q, weights, cache, block_table, kv_lens, max_kv_len,
+                                                       cu_q_lens=cu, max_q_len=max(case.q_lens), q_scale=q_scale,
+                                                       out=out, arch=case.arch), None, can)
+    if failed:
+        return failed
+    want = mla_kv.reference.index_scores(q.cpu(), weights.cpu(), cache.cpu(), block_table.cpu(), kv_lens.cpu(),
+                                         max_kv_len, cu_q_lens=cu.cpu(),
+                                         q_scale=None if q_scale is None else q_scale.cpu()).double()
+    got = result.double().cpu()
+    problems = []
+    if not torch.equal(torch.isneginf(got), torch.isneginf(want)) or torch.isnan(got).any():
+        problems.append("index_scores: -inf / NaN pattern differs from the reference")
+    else:
+        err = torch.where(torch.isinf(want), 0.0, (got - want).abs())
+        scale = want.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max().clamp_min(1e-30)
+        if float(err.max()) > 1e-4 * float(scale):
+            problems.append(f"index_scores: max error {float(err.max()):.3e} of logits up to {float(scale):.3e}")
+    return Outcome(problems, can.changed_bytes(out))
+
+
+@dataclass
+class IndexKeysCase:
+    """write_index_keys into a paged index cache of random bytes (slots padded, past the cache, positions out of
+    the rope table) or, blocks=True, write_index_keys_blocks into the index pages of a random pool (sequences
+    q_lens over history, readonly_lens, a context-parallel rank): the bytes against the reference's
+    (index_cache_problems), q in place within one step of its dtype; k, q and the cache inside canaries."""
+
+    arch: Optional[str] = None
+    dtype: str = "float16"
+    tokens: int = 40
+    page_size: int = 16
+    num_blocks: int = 5
+    heads: int = 4
+    rope_style: str = "neox"
+    scale_fmt: Optional[str] = None
+    blocks: bool = False
+    history: Tuple[int, ...] = (20, 1, 5)
+    readonly: Optional[Tuple[int, ...]] = None
+    cp: Tuple[int, int] = (1, 0)
+
+
+INDEX_MAX_POSITION = 1024
+
+
+def e4m3_step(values: torch.Tensor) -> torch.Tensor:
+    """One e4m3 step at each float64 value: 2^(floor(log2 |v|) - 3), 2^-9 below 2^-6."""
+    _, exponent = torch.frexp(values.abs())
+    return torch.where(values.abs() < 2.0 ** -6, 2.0 ** -9, torch.ldexp(torch.ones_like(values), exponent - 4))
+
+
+def index_cache_problems(what, got: torch.Tensor, want: torch.Tensor, code_mask: torch.Tensor) -> List[str]:
+    """An index cache's bytes (flat uint8) against the reference's: every byte outside the written codes
+    (code_mask) equal, scales and untouched bytes alike; the codes within one e4m3 step of the reference's
+    (a value on a rounding boundary may land on either side), >= 99.9% of them exact."""
+    from quant_bytes import e4m3
+    got, want, code_mask = got.cpu(), want.cpu(), code_mask.cpu()
+    problems = []
+    differ = int((got[~code_mask] != want[~code_mask]).sum())
+    if differ:
+        problems.append(f"{what}: {differ} bytes outside the codes (scales, untouched bytes) differ")
+    if bool(code_mask.any()):
+        g, w = e4m3(got[code_mask]), e4m3(want[code_mask])
+        far = int(((g - w).abs() > e4m3_step(w)).logical_or(g.isnan() != w.isnan()).sum())
+        exact = float((got[code_mask] == want[code_mask]).double().mean())
+        if far or exact < 0.999:
+            problems.append(f"{what}: {far} codes beyond one e4m3 step of the reference's, {exact:.4%} exact")
+    return problems
+
+
+def index_code_mask(nbytes: int, rows: List[Tuple[int, int]]) -> torch.Tensor:
+    """The flat byte mask of the 128 code bytes of each written row, given as (page's first byte, offset)."""
+    mask = torch.zeros(nbytes, dtype=torch.bool)
+    for page, offset in rows:
+        mask[page + offset * 128:page + offset * 128 + 128] = True
+    return mask
+
+
+def run_index_keys(case: IndexKeysCase, device, seed: int) -> Outcome:
+    from mla_kv import layout
+    dtype, (gen, cpu_gen) = DTYPES[case.dtype], generators(device, seed)
+    can = Canaries(device, gen)
+    t, ps = case.tokens, case.page_size
+    k = can.tensor((t, 128), dtype, pad=(0, 32))
+    k.copy_(randn(k.shape, gen, device, 2.0))
+    weight, bias = can.tensor((128,), torch.float32), can.tensor((128,), torch.float32)
+    weight.copy_(torch.rand(128, generator=gen, device=device) + 0.5)
+    bias.copy_(randn((128,), gen, device, 0.1))
+    positions = can.tensor((t,), torch.int64)
+    positions.copy_(torch.randint(0, INDEX_MAX_POSITION, (t,), generator=gen, device=device))
+    positions[:2] = INDEX_MAX_POSITION  # out of the table: the token is left alone
+    cos_sin = cos_sin_cache(64, INDEX_MAX_POSITION, 1e4, device=device)
+    q = can.tensor((t, case.heads, 128), dtype, pad=(0, 1, 8))
+    q.copy_(randn(q.shape, gen, device))
+    pos_ok = ((positions >= 0) & (positions < INDEX_MAX_POSITION)).cpu()
+    style = dict(rope_style=case.rope_style, scale_fmt=case.scale_fmt)
+    host = [k.cpu(), weight.cpu(), bias.cpu(), 1e-6, positions.cpu(), cos_sin.cpu()]
+    q_want = q.cpu()
+    if not case.blocks:
+        storage = can.tensor((case.num_blocks * ps * layout.INDEX_ROW_BYTES,), torch.uint8)
+        cache = storage.view(case.num_blocks, ps, layout.INDEX_ROW_BYTES)
+        slots = torch.randperm(case.num_blocks * ps, generator=cpu_gen)[:t]
+        slots[2:5] = -1
+        slots[5] = case.num_blocks * ps
+        slots = slots.to(device)
+        want = storage.cpu()
+        reference.write_index_keys(*host, want.view(cache.shape), slots.cpu(), q=q_want, **style)
+        _, failed = _call(lambda: mla_kv.write_index_keys(k, weight, bias, 1e-6, positions, cos_sin, cache, slots, q=q,
+                                                          arch=case.arch, **style), None, can)
+        if failed:
+            return failed
+        rows = [((s // ps) * ps * layout.INDEX_ROW_BYTES, s % ps) for s, ok in zip(slots.tolist(), pos_ok.tolist())
+                if ok and 0 <= s < case.num_blocks * ps]
+        got = storage
+    else:
+        history = list(case.history)
+        q_lens = [t // 3, 0, t - t // 3 - 2]  # two rows past cu_q_lens[B]
+        counts = [-(-(h + n) // ps) + 1 for h, n in zip(history, q_lens)]
+        bpb = ps * layout.INDEX_ROW_BYTES + 272  # this layer's page at byte 144 of each block
+        bpb += -bpb % 16
+        pool = can.tensor((sum(counts) + 2, bpb), torch.uint8)
+        ids = torch.randperm(pool.shape[0], generator=cpu_gen)[:sum(counts)]
+        cu_b = torch.tensor([0] + counts).cumsum(0).int()
+        cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+        hist = torch.tensor(history).int()
+        readonly = None if case.readonly is None else torch.tensor(case.readonly).int()
+        want = pool.cpu()
+        ref_cache = layout.IndexBlockPointerCache(want.data_ptr() + ids * bpb, cu_b, ps, 144)
+        reference.write_index_keys_blocks(*host, ref_cache, cu_q, hist, readonly_lens=readonly, cp_size=case.cp[0],
+                                          cp_rank=case.cp[1], q=q_want, **style)
+        cache = layout.IndexBlockPointerCache((pool.data_ptr() + ids * bpb).to(device), cu_b.to(device), ps, 144)
+        args = [x.to(device) for x in (cu_q, hist)]
+        ro = None if readonly is None else readonly.to(device)
+        _, failed = _call(lambda: mla_kv.write_index_keys_blocks(
+            k, weight, bias, 1e-6, positions, cos_sin, cache, *args, readonly_lens=ro, cp_size=case.cp[0],
+            cp_rank=case.cp[1], q=q, arch=case.arch, **style), None, can)
+        if failed:
+            return failed
+        slots = block_slots(cu_q, hist, cu_b, ids, ps, readonly_lens=readonly, cp_size=case.cp[0], cp_rank=case.cp[1])
+        rows = [((s // ps) * bpb + 144, s % ps) for s, ok in zip(slots.tolist(), pos_ok.tolist()) if ok and s >= 0]
+        got = pool.flatten()
+        want = want.flatten()
+    problems = index_cache_problems("index cache", got, want, index_code_mask(want.numel(), rows))
+    step = spacing(q_want.double(), dtype)
+    q_far = int(((q.cpu().double() - q_want.double()).abs() > step).sum())
+    q_exact = float((q.cpu() == q_want).double().mean())
+    if q_far or q_exact < 0.999:
+        problems.append(f"q: {q_far} values beyond one step of the reference's, {q_exact:.4%} exact")
+    return Outcome(problems, can.changed_bytes(got, q))
+
+
+@dataclass
+class IndexTopkCase:
+    """index_topk: decode rows (q_lens None) or packed tokens of sequences plus one row past the last, the
+    columns past each token's position left as canary bytes (anything may be there); optionally slots
+    through a shuffled block table whose unused columns hold -1, and logits of five values (ties). out
+    inside canaries; the workspace starts zeroed and must be left so (it is not among the written)."""
+
+    arch: Optional[str] = None
+    kv_lens: Tuple[int, ...] = (5000, 70, 2100)
+    q_lens: Optional[Tuple[int, ...]] = None
+    k: int = 2048
+    page_size: Optional[int] = None
+    ties: bool = False
+
+
+def run_index_topk(case: IndexTopkCase, device, seed: int) -> Outcome:
+    gen, cpu_gen = generators(device, seed)
+    can = Canaries(device, gen)
+    batch, max_kv_len = len(case.kv_lens), max(case.kv_lens) + 3
+    q_lens = case.q_lens or (1,) * batch
+    tokens = batch if case.q_lens is None else sum(q_lens) + 1
+    logits = can.tensor((tokens, max_kv_len), torch.float32, pad=(1, 5))
+    values = (torch.randint(-2, 3, (tokens, max_kv_len), generator=cpu_gen).float() if case.ties
+              else torch.randn(tokens, max_kv_len, generator=cpu_gen)).to(device)
+    row = 0
+    for n, q in zip(case.kv_lens, q_lens):
+        for i in range(q):
+            visible = max(0, n - q + i + 1)
+            logits[row, :visible] = values[row, :visible]
+            row += 1
+    kv_lens = can.tensor((batch,), torch.int32)
+    kv_lens.copy_(torch.tensor(case.kv_lens, dtype=torch.int32))
+    cu = None
+    if case.q_lens is not None:
+        cu = can.tensor((batch + 1,), torch.int32)
+        cu.copy_(torch.tensor([0, *q_lens]).cumsum(0).int())
+    table = None
+    if case.page_size is not None:
+        need = [-(-n // case.page_size) for n in case.kv_lens]
+        ids = torch.randperm(sum(need) + 4, generator=cpu_gen).int()
+        table = can.tensor((batch, max(need) + 1), torch.int32, pad=(0, 2))
+        rows = torch.full(table.shape, -1, dtype=torch.int32)
+        for b, used in enumerate(need):
+            rows[b, :used] = ids[sum(need[:b]):sum(need[:b]) + used]
+        table.copy_(rows)
+    out = can.tensor((tokens, case.k), torch.int32, pad=(1, 3))
+    workspace = None
+    if torch.device(device).type == "cuda":
+        workspace = can.tensor((mla_kv.index_topk_workspace_size(tokens, max_kv_len, case.k),), torch.uint8)
+        workspace.zero_()
+    result, failed = _call(lambda: mla_kv.index_topk(logits, kv_lens, case.k, cu_q_lens=cu, block_table=table,
+                                                     page_size=case.page_size, out=out, workspace=workspace,
+                                                     arch=case.arch), None, can)
+    if failed:
+        return failed
+    want = mla_kv.reference.index_topk(logits.cpu(), kv_lens.cpu(), case.k, cu_q_lens=None if cu is None else cu.cpu(),
+                                       block_table=None if table is None else table.cpu(), page_size=case.page_size)
+    got = result.cpu().long().sort(dim=1).values
+    problems = [] if torch.equal(got, want.long().sort(dim=1).values) else ["index_topk: selected sets differ"]
+    return Outcome(problems, can.changed_bytes(out))
+
+
 RUNNERS = {DecodeCase: run_decode, PrefillCase: run_prefill, MergeCase: run_merge, GatherCase: run_gather,
            WriteCase: run_write, BlockWriteCase: run_write_blocks, CpCase: run_cp, QuantCase: run_quant,
-           ExpandedCase: run_expanded, SparseCase: run_sparse}
+           ExpandedCase: run_expanded, SparseCase: run_sparse, IndexScoresCase: run_index_scores,
+           IndexKeysCase: run_index_keys, IndexTopkCase: run_index_topk}
 
 
 def run(case, device, seed: int) -> Outcome:

@@ -35,6 +35,8 @@ OPTIONS = {
     "tile_copy": ["--quick", "--json"],
     "unequal": ["--quick", "--json", "--heads", "--kv-formats"],
     "sparse": ["--quick", "--json", "--heads", "--kv-formats", "--archs", "--topk"],
+    "indexer": ["--quick", "--json", "--heads", "--archs"],
+    "index_topk": ["--quick", "--json", "--archs"],
 }
 
 

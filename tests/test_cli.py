@@ -197,7 +197,7 @@ def test_bench_without_gpu_exits_1_with_one_line(tmp_path, args):
 
 
 @pytest.mark.parametrize("args", [
-    ["plan", "--model", "glm-5", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-6", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
     ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "-32", "--weights-gb", "18.4"],
 ])
 def test_bad_arguments_subprocess(args):
@@ -212,7 +212,7 @@ BAD_ARGUMENTS = [
     ["frobnicate"],
     ["plan", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],                                 # no --model
     ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "32"],                             # no --weights-gb
-    ["plan", "--model", "glm-5", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
+    ["plan", "--model", "glm-6", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
     ["plan", "--model", "/no/such/dir/config.json", "--gpu-mem-gib", "32", "--weights-gb", "18.4"],
     ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "0", "--weights-gb", "18.4"],
     ["plan", "--model", "glm-4.7-flash", "--gpu-mem-gib", "inf", "--weights-gb", "18.4"],
@@ -436,3 +436,31 @@ def test_info_names_the_gpus_the_build_cannot_run(monkeypatch, capsys):
     v100, a6000 = (line for line in out.splitlines() if line.startswith("GPU "))
     assert "sm_70" in v100 and "this build (sm_90) cannot run on this GPU" in v100 and "CUDA 12.x nvcc" in v100
     assert "sm_86" in a6000 and "MLA_KV_CUDA_ARCHS=86" in a6000
+
+
+def test_plan_dsa_model_shows_its_index_cache():
+    r = run_cli("plan", "--model", "glm-5.2", "--gpu", "h200", "--weights-gb", "700", "--tp", "8", "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("model        glm-5.2: MLA + DSA, 78 cached layers, 64 heads")
+    assert lines[1] == ("indexer      32 index heads x 128, top-k 2,048, 21 indexed layers (57 reuse the previous "
+                        "one's top-k): index cache 132 B/token/layer, 2,772 B/token in every layout")
+    header = next(line for line in lines if line.startswith("layout"))
+    assert header.split()[:4] == ["layout", "B/token/layer", "index", "B/token"]
+    rows = {line.split()[0]: line.split() for line in lines if line.split()}
+    cache = int((141 * 2 ** 30 - 700e9 // 8 - 2 * 2 ** 30) * 0.8)
+    per_token = 78 * 1_152 + 21 * 132
+    assert rows["latent"][1:4] == ["1,152", "2,772", f"{per_token:,}"]
+    assert rows["latent"][5] == f"{cache // (64 * per_token):,}"
+
+
+def test_plan_dsa_json_and_kv_format_all():
+    r = run_cli("plan", "--model", "deepseek-v3.2", "--gpu", "h200", "--weights-gb", "690", "--tp", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["latent"]["index_bytes_per_token"] == out["expanded"]["index_bytes_per_token"] == 61 * 132
+    assert out["model"]["index_n_heads"] == 64 and out["model"]["index_layers"] == list(range(61))
+    r = run_cli("plan", "--model", "glm-5", "--gpu", "h200", "--weights-gb", "750", "--tp", "8", "--kv-format", "all")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()}
+    assert rows["fp8_ds_mla"][1:4] == ["656", "10,296", f"{78 * 656 + 78 * 132:,}"]

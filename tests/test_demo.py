@@ -126,7 +126,9 @@ def test_an_injected_fault_fails_its_phases_with_exit_1(monkeypatch, capsys, fau
 
 
 BAD_ARGUMENTS = [
-    ["demo", "--model", "glm-5"],
+    ["demo", "--model", "glm-6"],
+    ["demo", "--index-topk", "64"],                                   # GLM-4.7-Flash has no indexer
+    ["demo", "--model", "glm-5", "--index-topk", "0"],
     ["demo", "--model", "llama-3.1-8b"],                              # GQA
     ["demo", "--layers", "0"],
     ["demo", "--layers", "48"],                                       # GLM-4.7-Flash has 47
@@ -273,3 +275,90 @@ def test_demo_cuda_quantized_cache(kv_format):
     rows = phase_rows(r.stdout)
     assert list(rows) == ["prefill", "decode 1", "decode 2"]
     assert all(v[3] == "ok" and v[2] > 1e-3 for v in rows.values())
+
+
+# ------------------------------------------------------------------------- DeepSeek Sparse Attention
+DSA_SMALL = ["--device", "cpu", "--heads", "4", "--prompt-len", "100", "--decode-steps", "2", "--index-topk", "32",
+             "--block-size", "32"]
+DSA_ROW = re.compile(r"^(prefill|decode \d+) +(\d+) +(\d+) +(\S+) +(\S+) +([\d.]+)% +(\d+) +(ok|FAIL)$", re.M)
+
+
+def dsa_rows(stdout: str) -> dict:
+    """phase -> (q tokens, kv len, rel err, index err, top-k share of HF's in %, in band, verdict)."""
+    return {m[1]: (int(m[2]), int(m[3]), float(m[4]), float(m[5]), float(m[6]), int(m[7]), m[8])
+            for m in DSA_ROW.finditer(stdout)}
+
+
+def test_demo_glm_5_2_sparse_layers_and_a_shared_one_match_hf(capsys):
+    """GLM-5.2's layers 0-2 run the indexer, layer 3 reuses layer 2's top-k: write_index_keys, index_scores,
+    index_topk and sparse_attention (the references) against GlmMoeDsaAttention attending to the same top-k,
+    the selection against HF's own indexer. 100 tokens, top-k 32: the selection matters from position 32 on."""
+    assert cli.main(["demo", "--model", "glm-5.2", "--layers", "4", *DSA_SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "32 index heads x 128, top-k 32 (the model's 2,048), RoPE interleaved" in out
+    assert "layers 3 reuse the previous indexed layer's top-k" in out and "GlmMoeDsaAttention" in out
+    rows = dsa_rows(out)
+    assert [rows[p][:2] for p in rows] == [(100, 100), (1, 101), (1, 102)]
+    for name, (_, _, err, index_err, share, _, verdict) in rows.items():
+        assert verdict == "ok" and 0 < err < 1e-4, name
+        assert 1e-3 < index_err < demo.INDEX_TOLERANCE, name        # the e4m3 index cache's error
+        assert share >= 80, name
+    assert "index cache 132 B/token/layer" not in out              # no GPU: the plan is the bytes line
+
+
+def _index_rope_wrong(monkeypatch):
+    write = ops.write_index_keys
+    monkeypatch.setattr(ops, "write_index_keys", lambda *a, rope_style, **kw: write(*a, rope_style="interleaved",
+                                                                                      **kw))
+
+
+def _topk_drops_the_best(monkeypatch):
+    topk = ops.index_topk
+    monkeypatch.setattr(ops, "index_topk", lambda logits, lens, k, **kw: topk(
+        logits.masked_fill(logits == logits.max(dim=1, keepdim=True).values, -1e30), lens, k, **kw))
+
+
+@pytest.mark.parametrize("fault", [None, _index_rope_wrong, _topk_drops_the_best],
+                         ids=["none", "index-rope-interleaved", "topk-drops-the-best"])
+def test_demo_deepseek_v3_2_sparse_and_injected_faults(monkeypatch, capsys, fault):
+    """DeepSeek-V3.2 (neox index RoPE, 64 index heads): passes as is; an index key rotated in the wrong pairs
+    fails on the logits' error, a top-k that leaves out the best position on the selection check."""
+    if fault is not None:
+        fault(monkeypatch)
+    code = cli.main(["demo", "--model", "deepseek-v3.2", "--layers", "1", *DSA_SMALL])
+    out, err = capsys.readouterr()
+    assert "DeepseekV32Attention" in out and "RoPE neox on dims 0..63" in out
+    rows = dsa_rows(out)
+    assert len(rows) == 3
+    if fault is None:
+        assert code == 0 and err == "" and all(v[6] == "ok" for v in rows.values())
+        return
+    assert code == 1 and "above tolerance" in err
+    assert any(v[6] == "FAIL" for v in rows.values())
+    if fault is _index_rope_wrong:
+        assert max(v[3] for v in rows.values()) > demo.INDEX_TOLERANCE
+
+
+def test_check_selection_band():
+    """A set that differs from HF's only within 2e of the k-th logit passes; one that differs outside fails."""
+    exact = torch.tensor([5.0, 4.0, 3.0, 2.9, 1.0, 0.0], dtype=torch.float64)
+    ours = exact + torch.tensor([0, 0, -0.1, 0.1, 0, 0], dtype=torch.float64)   # e = 0.1: 3 and 2 swap
+    hf = torch.tensor([0, 1, 2])
+    swapped = demo.check_selection(torch.tensor([0, 1, 3]), ours, hf, exact, 3)
+    assert swapped.consistent and swapped.ambiguous == 2 and swapped.overlap == pytest.approx(2 / 3)
+    assert not demo.check_selection(torch.tensor([0, 1, 4]), ours, hf, exact, 3).consistent
+    assert demo.check_selection(torch.tensor([1, 0, -1]), exact[:2], hf, exact[:2], 3).consistent  # all visible
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
+def test_demo_cuda_sparse_kernels_top_2048(model):
+    """The kernels with the models' top-k 2,048 at 2,400 tokens (the defaults on cuda), timed."""
+    r = run_cli("demo", "--device", "cuda", "--model", model, "--layers", "2", "--decode-steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = dsa_rows(r.stdout)
+    assert [rows[p][:2] for p in rows] == [(2400, 2400), (1, 2401), (1, 2402)]
+    assert all(v[6] == "ok" for v in rows.values())
+    timings = dict(re.findall(r"^(write_index_keys|index_scores|index_topk|sparse_attention) .* ([\d.]+) us$",
+                              r.stdout, re.M))
+    assert sorted(timings) == ["index_scores", "index_topk", "sparse_attention", "write_index_keys"]

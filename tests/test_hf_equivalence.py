@@ -222,3 +222,36 @@ def test_decode_pipeline_matches_hf(case, s_q, precision):
     for b, n in enumerate(lens):
         want = run_hf(attn, hidden[b], torch.arange(n), table)[n - s_q:]
         assert rel_err(out[b], want) < rel_tol, f"sequence {b}"
+
+
+# ---- DeepSeek Sparse Attention: the demo's float64 index logits against HF's indexers -----------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_exact_index_logits_give_hf_indexers_top_k(model_type):
+    """mla_kv.demo.exact_index_logits (float64, the reference of the demo's selection check) has the top-k
+    HF's Indexer returns (neox index RoPE for DeepSeek-V3.2, interleaved for GLM-5) and HF's relu-weighted
+    sum's values (HF's scale sits inside the relu, the demo's in the weights)."""
+    from mla_kv import demo
+
+    config_cls, attention_cls, rotary_cls = demo.hf_classes(model_type)
+    config = config_cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+                        kv_lora_rank=512, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V,
+                        num_hidden_layers=1, index_n_heads=16, index_head_dim=128, index_topk=8,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    attn = attention_cls(config, layer_idx=0).eval()
+    torch.manual_seed(0)
+    for p in attn.indexer.parameters():
+        p.normal_(0, 1 / p.shape[-1] ** 0.5) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    tokens = 40
+    hidden, q_resid = torch.randn(1, tokens, 64), torch.randn(1, tokens, 48)
+    position_embeddings = rotary_cls(config)(hidden, torch.arange(tokens)[None])
+    mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None]
+    hf = attn.indexer(hidden, q_resid, position_embeddings, mask, None)[0]
+    exact = demo.exact_index_logits(attn.indexer, hidden[0], q_resid[0], position_embeddings,
+                                    demo.index_rope_style(model_type))
+    for t in range(8, tokens):  # rows with more visible positions than the top-k
+        assert set(hf[t].tolist()) == set(exact[t, :t + 1].topk(8).indices.tolist()), t
+    other = demo.exact_index_logits(attn.indexer, hidden[0], q_resid[0], position_embeddings,
+                                    "interleaved" if model_type == "deepseek_v32" else "neox")
+    assert any(set(hf[t].tolist()) != set(other[t, :t + 1].topk(8).indices.tolist()) for t in range(8, tokens))

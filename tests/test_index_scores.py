@@ -5,7 +5,7 @@ Caches hold random e4m3 codes and scales over shuffled pages; every byte a call 
 positions past a sequence's length) holds NaN codes, so a stray read shows as NaN. Outputs start as NaN and
 every column of every scored row is checked (its -inf past the token's position included), the rows past
 cu_q_lens and the columns past max_kv_len of a wider buffer must stay untouched. Shapes: 16, 32 and 64 heads,
-page sizes 1, 16 and 64, lengths 1 to 131,072 (tile, chunk and page boundaries), decode and packed prefill
+page sizes 4, 16 and 64, lengths 1 to 131,072 (tile, chunk and page boundaries), decode and packed prefill
 with cached prefixes, fp16 / bf16 / e4m3 queries, missing pages, CUDA-graph replay, argument checks.
 """
 import numpy as np
@@ -127,7 +127,7 @@ def run_case(kv_lens, q_lens, heads, page_size, kind, arch, *, decode, max_kv_le
 DECODE_CASES = {  # name -> (kv_lens, heads, page_size)
     "b1-len1-h64": ([1], 64, 64),
     "b3-h32-tile-edges": ([63, 64, 65], 32, 64),
-    "b4-h16-page1": ([1, 130, 257, 2], 16, 1),
+    "b4-h16-page4": ([1, 130, 257, 2], 16, 4),
     "b2-h64-page16-chunks": ([4097, 1000], 64, 16),
     "b5-h32-mixed": ([3000, 1, 640, 129, 2049], 32, 64),
 }
@@ -160,9 +160,10 @@ def test_prefill_scores(case, kind, arch):
 
 
 @GPU
+@pytest.mark.parametrize("kind", ["bf16", "e4m3"])
 @pytest.mark.parametrize("heads", [32, 64])
-def test_long_context(heads):
-    run_case([131072], [1], heads, 64, "bf16", None, decode=True)
+def test_long_context(heads, kind):
+    run_case([131072], [1], heads, 64, kind, None, decode=True)
 
 
 @GPU

@@ -403,6 +403,82 @@ def test_bad_configs_raise_value_error(tmp_path, content, message):
 
 def test_unknown_model_names_the_presets(tmp_path):
     with pytest.raises(ValueError, match="glm-4.7-flash"):
-        load_model("glm-5")
+        load_model("glm-6")
     with pytest.raises(ValueError, match="no such file"):
         load_model(str(tmp_path / "missing" / "config.json"))
+
+
+# ---- DeepSeek Sparse Attention: the index cache -------------------------------------------------
+
+@pytest.mark.parametrize("name, layers, indexed, index_heads", [
+    ("deepseek-v3.2", 61, 61, 64), ("glm-5", 78, 78, 32), ("glm-5.1", 78, 78, 32), ("glm-5.2", 78, 21, 32),
+])
+def test_dsa_presets_count_the_index_cache(name, layers, indexed, index_heads):
+    model = planner.MODELS[name]
+    assert (model.index_n_heads, model.index_head_dim, model.index_topk) == (index_heads, 128, 2048)
+    p = plan(model, 141 * GIB, 700e9, tp=8, block_size=64)
+    for lp in p.layouts.values():
+        assert lp.index_bytes_per_token == indexed * (128 + 4)     # 128 e4m3 codes + a float32 scale
+        assert lp.bytes_per_token == layers * lp.bytes_per_token_per_layer + indexed * 132
+        assert lp.bytes_per_block == 64 * lp.bytes_per_token
+        assert lp.num_blocks == p.cache_bytes // lp.bytes_per_block
+    assert p.layouts["latent"].bytes_per_token_per_layer == 1_152
+    # the index cache is in every format's plan, and the same there
+    for q in planner.plan_kv_formats(model, 141 * GIB, 700e9, tp=8):
+        assert q.layouts["latent"].index_bytes_per_token == indexed * 132
+    with_mtp = plan(model, 141 * GIB, 700e9, tp=8, count_mtp_layers=True).layouts["latent"]
+    assert with_mtp.index_bytes_per_token == (indexed + 1) * 132
+
+
+def test_glm_5_2_shared_layers_read_the_previous_indexed_layers_top_k():
+    model = planner.MODELS["glm-5.2"]
+    assert model.index_layers == (0, 1, 2) + tuple(range(6, 75, 4)) and len(model.index_layers) == 21
+    sources = planner.index_source_layers(model)
+    assert sources[:12] == [0, 1, 2, 2, 2, 2, 6, 6, 6, 6, 10, 10]
+    assert sources[74:] == [74, 74, 74, 74] and len(sources) == 78
+    assert planner.index_source_layers(planner.MODELS["glm-5"]) == list(range(78))
+    assert planner.index_source_layers(GLM) == [None] * 47                  # no DSA
+
+
+def test_dsa_json_and_dense_json():
+    dsa = plan(planner.MODELS["glm-5.2"], 141 * GIB, 700e9, tp=8).to_dict()
+    assert dsa["latent"]["index_bytes_per_token"] == 21 * 132 and len(dsa["model"]["index_layers"]) == 21
+    dense = plan(GLM, 32 * GIB, 18.4e9).to_dict()                  # the JSON of before DSA
+    assert "index_bytes_per_token" not in dense["latent"] and "index_layers" not in dense["model"]
+
+
+@pytest.mark.parametrize("extra, indexed", [
+    ({}, tuple(range(8))),
+    ({"indexer_types": ["full", "shared", "full"] + ["shared"] * 5}, (0, 2)),
+    ({"index_topk_pattern": "FFSSFSSS"}, (0, 1, 4)),
+    ({"index_topk_freq": 4, "index_skip_topk_offset": 3}, (0, 1, 2, 6)),   # GLM-5.2's schedule
+])
+def test_load_dsa_configs(tmp_path, extra, indexed):
+    config = dict(GLM_CONFIG, model_type="glm_moe_dsa", num_hidden_layers=8, index_n_heads=32, index_head_dim=128,
+                  index_topk=2048, **extra)
+    model = load_model(str(_write(tmp_path, config)))
+    assert model.index_layers == indexed and model.index_n_heads == 32
+    assert plan(model, 80 * GIB, 1e9).layouts["latent"].index_bytes_per_token == len(indexed) * 132
+
+
+def test_load_dsa_configs_written_by_transformers(tmp_path):
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    DeepseekV32Config(num_hidden_layers=3).to_json_file(tmp_path / "v32.json")
+    model = load_model(str(tmp_path / "v32.json"))
+    assert (model.index_n_heads, model.index_topk, model.index_layers) == (64, 2048, (0, 1, 2))
+    GlmMoeDsaConfig(num_hidden_layers=10, index_topk_freq=4, index_skip_topk_offset=3).to_json_file(tmp_path / "g.json")
+    assert load_model(str(tmp_path / "g.json")).index_layers == (0, 1, 2, 6)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"indexer_types": ["shared"] + ["full"] * 7}, "layer 0"),
+    ({"indexer_types": ["full"] * 3}, "indexer_types"),
+    ({"index_n_heads": None}, "index_n_heads"),
+])
+def test_bad_dsa_configs(tmp_path, extra, message):
+    config = dict(GLM_CONFIG, model_type="glm_moe_dsa", num_hidden_layers=8, index_n_heads=32, index_head_dim=128,
+                  index_topk=2048)
+    config.update(extra)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(_write(tmp_path, config)))

@@ -32,9 +32,11 @@ OPS = torch.ops.mla_kv
 WRITES = {
     "write_kv": {"kv_cache"}, "fused_write_kv": {"kv_cache", "q"},
     "write_kv_blocks": {"block_ptrs"}, "fused_write_kv_blocks": {"block_ptrs", "q"},
+    "write_index_keys": {"index_cache", "q"}, "write_index_keys_blocks": {"block_ptrs", "q"},
     "decode": {"workspace"}, "decode_blocks": {"workspace"}, "prefill": {"workspace"},
     "prefill_blocks": {"workspace"}, "prefill_expanded": {"workspace"}, "merge_states": set(), "gather_kv": {"out"}, "gather_kv_blocks": {"out"},
     "expanded_attention": set(), "sparse_attention": {"workspace"}, "sparse_attention_blocks": {"workspace"},
+    "index_scores": set(), "index_topk": {"workspace"},
 }
 HAVE_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 BACKENDS = ["eager", "aot_eager",
@@ -113,6 +115,7 @@ def test_written_optional_tensors_have_no_default():
 def test_ops_take_the_functions_leading_arguments():
     """The paged ops' positional arguments start with the Python function's positional ones."""
     functions = {"write_kv": mla_kv.write_kv, "fused_write_kv": mla_kv.fused_write_kv, "decode": mla_kv.decode,
+                 "write_index_keys": mla_kv.write_index_keys,
                  "prefill": mla_kv.prefill, "prefill_expanded": mla_kv.prefill_expanded,
                  "merge_states": mla_kv.merge_states, "gather_kv": mla_kv.gather_kv}
     for name, fn in functions.items():
@@ -199,6 +202,37 @@ def test_opcheck_sparse_attention():
     layer = lambda q, cache, idx: mla_kv.sparse_attention(q, cache, idx, SCALE)  # noqa: E731
     want, _, got, _ = eager_and_compiled(layer, "aot_eager", (q, cache, idx))
     assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+
+
+def test_opcheck_index_topk():
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randint(-3, 3, (4, 40), generator=gen).float()  # many ties
+    lens, cu = torch.tensor([40, 9], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32)
+    table = torch.tensor([[4, 1, 0], [2, 3, 5]], dtype=torch.int32)
+    opcheck(OPS.index_topk.default, (logits, lens, 8, cu, None, None))
+    opcheck(OPS.index_topk.default, (logits, lens, 8, cu, table, None), dict(page_size=16))
+    opcheck(OPS.index_topk.default, (logits[:2], lens, 50, None, None, None))
+    got = OPS.index_topk(logits, lens, 8, cu, table, None, page_size=16)
+    assert torch.equal(got, mla_kv.index_topk(logits, lens, 8, cu_q_lens=cu, block_table=table, page_size=16))
+    layer = lambda x: mla_kv.index_topk(x, lens, 8, cu_q_lens=cu)  # noqa: E731
+    want, _, got, _ = eager_and_compiled(layer, "aot_eager", (logits,))
+    assert torch.equal(got, want)
+
+
+def test_opcheck_index_scores():
+    gen = torch.Generator().manual_seed(12)
+    cache = torch.randint(0, 126, (4, 8, 132), generator=gen, dtype=torch.uint8)
+    cache.view(4, -1)[:, 8 * 128:] = torch.full((4, 8), 0.01).view(torch.uint8)
+    q, w = torch.randn(3, 16, 128, generator=gen), torch.randn(3, 16, generator=gen)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens, cu = torch.tensor([9, 16], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    opcheck(OPS.index_scores.default, (q, w, cache, table, lens, 16, cu, None), dict(max_q_len=2))
+    opcheck(OPS.index_scores.default, (q[:2], w[:2], cache, table, lens, 16, None, None))
+    got = OPS.index_scores(q, w, cache, table, lens, 16, cu, None, max_q_len=2)
+    assert same_bytes(got, mla_kv.index_scores(q, w, cache, table, lens, 16, cu_q_lens=cu, max_q_len=2))
+    layer = lambda q, w: mla_kv.index_scores(q, w, cache, table, lens, 16, cu_q_lens=cu, max_q_len=2)  # noqa: E731
+    want, _, compiled, _ = eager_and_compiled(layer, "aot_eager", (q, w))
+    assert same_bytes(compiled, want)
 
 
 @pytest.mark.parametrize("causal", [True, False])

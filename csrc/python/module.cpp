@@ -113,6 +113,29 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<IndexScaleFormat>(m, "IndexScaleFormat")
       .value("raw", IndexScaleFormat::kRaw)
       .value("ue8m0", IndexScaleFormat::kPow2);
+  py::class_<IndexScoresParams>(m, "IndexScoresParams")
+      .def(py::init([]() { return IndexScoresParams{}; }))
+      .PTR_PROPERTY(IndexScoresParams, q)
+      .def_readwrite("q_dtype", &IndexScoresParams::q_dtype)
+      .PTR_PROPERTY(IndexScoresParams, q_scale)
+      .def_readwrite("q_stride_token", &IndexScoresParams::q_stride_token)
+      .def_readwrite("q_stride_head", &IndexScoresParams::q_stride_head)
+      .def_readwrite("heads", &IndexScoresParams::heads)
+      .PTR_PROPERTY(IndexScoresParams, weights)
+      .def_readwrite("weights_stride", &IndexScoresParams::weights_stride)
+      .def_readwrite("num_tokens", &IndexScoresParams::num_tokens)
+      .def_readwrite("batch", &IndexScoresParams::batch)
+      .def_readwrite("max_q_len", &IndexScoresParams::max_q_len)
+      .PTR_PROPERTY(IndexScoresParams, cu_q_lens)
+      .PTR_PROPERTY(IndexScoresParams, kv_lens)
+      .PTR_PROPERTY(IndexScoresParams, block_table)
+      .def_readwrite("block_table_stride", &IndexScoresParams::block_table_stride)
+      .def_readwrite("max_kv_len", &IndexScoresParams::max_kv_len)
+      .PTR_PROPERTY(IndexScoresParams, logits)
+      .def_readwrite("logits_stride", &IndexScoresParams::logits_stride);
+  m.def("index_scores", [](const IndexScoresParams& p, const IndexCache& cache, Arch arch, uintptr_t stream) {
+    check(invokeIndexScores(p, cache, arch, as_stream(stream)), "index_scores");
+  });
 
   py::class_<WriteKvParams>(m, "WriteKvParams")
       .def(py::init([]() { return WriteKvParams{}; }))
@@ -152,6 +175,46 @@ PYBIND11_MODULE(_C, m) {
         [](const WriteKvParams& p, const BlockPointerCache& cache, const BlockWriteTargets& targets, Arch arch,
            uintptr_t stream) {
           check(invokeWriteKvBlocks(p, cache, targets, arch, as_stream(stream)), "write_kv_blocks");
+        });
+
+  py::class_<WriteIndexKeysParams>(m, "WriteIndexKeysParams")
+      .def(py::init([]() { return WriteIndexKeysParams{}; }))
+      .def_readwrite("dtype", &WriteIndexKeysParams::dtype)
+      .def_readwrite("num_tokens", &WriteIndexKeysParams::num_tokens)
+      .PTR_PROPERTY(WriteIndexKeysParams, k)
+      .def_readwrite("k_stride", &WriteIndexKeysParams::k_stride)
+      .PTR_PROPERTY(WriteIndexKeysParams, ln_weight)
+      .PTR_PROPERTY(WriteIndexKeysParams, ln_bias)
+      .def_readwrite("ln_fp32", &WriteIndexKeysParams::ln_fp32)
+      .def_readwrite("ln_eps", &WriteIndexKeysParams::ln_eps)
+      .PTR_PROPERTY(WriteIndexKeysParams, positions)
+      .PTR_PROPERTY(WriteIndexKeysParams, cos_sin)
+      .def_readwrite("cos_sin_fp32", &WriteIndexKeysParams::cos_sin_fp32)
+      .def_readwrite("max_position", &WriteIndexKeysParams::max_position)
+      .def_readwrite("rope_style", &WriteIndexKeysParams::rope_style)
+      .def_readwrite("scale_format", &WriteIndexKeysParams::scale_format)
+      .PTR_PROPERTY(WriteIndexKeysParams, q)
+      .def_readwrite("q_heads", &WriteIndexKeysParams::q_heads)
+      .def_readwrite("q_stride_token", &WriteIndexKeysParams::q_stride_token)
+      .def_readwrite("q_stride_head", &WriteIndexKeysParams::q_stride_head);
+  py::class_<IndexBlockPointerCache>(m, "IndexBlockPointerCache")
+      .def(py::init([](uintptr_t block_ptrs, uintptr_t cu_block_nums, int batch, int block_seq_len,
+                       int64_t layer_offset_bytes) {
+             return IndexBlockPointerCache{as_ptr<void* const>(block_ptrs), as_ptr<const int>(cu_block_nums), batch,
+                                           block_seq_len, layer_offset_bytes};
+           }),
+           py::arg("block_ptrs"), py::arg("cu_block_nums"), py::arg("batch"), py::arg("block_seq_len"),
+           py::arg("layer_offset_bytes"));
+  m.def("write_index_keys_paged",
+        [](const WriteIndexKeysParams& p, const IndexCache& cache, uintptr_t slot_mapping, Arch arch,
+           uintptr_t stream) {
+          check(invokeWriteIndexKeysPaged(p, cache, as_ptr<const int64_t>(slot_mapping), arch, as_stream(stream)),
+                "write_index_keys");
+        });
+  m.def("write_index_keys_blocks",
+        [](const WriteIndexKeysParams& p, const IndexBlockPointerCache& cache, const BlockWriteTargets& targets,
+           Arch arch, uintptr_t stream) {
+          check(invokeWriteIndexKeysBlocks(p, cache, targets, arch, as_stream(stream)), "write_index_keys_blocks");
         });
 
   py::class_<AttentionPlanSizes>(m, "AttentionPlanSizes")
@@ -336,6 +399,27 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("gather_kv_blocks", [](const GatherKvParams& p, const BlockPointerCache& cache, Arch arch, uintptr_t stream) {
     check(invokeGatherKvBlocks(p, cache, arch, as_stream(stream)), "gather_kv");
+  });
+
+  py::class_<IndexTopkParams>(m, "IndexTopkParams")
+      .def(py::init([]() { return IndexTopkParams{}; }))
+      .PTR_PROPERTY(IndexTopkParams, logits)
+      .def_readwrite("logits_stride", &IndexTopkParams::logits_stride)
+      .def_readwrite("num_tokens", &IndexTopkParams::num_tokens)
+      .def_readwrite("batch", &IndexTopkParams::batch)
+      .PTR_PROPERTY(IndexTopkParams, cu_q_lens)
+      .PTR_PROPERTY(IndexTopkParams, kv_lens)
+      .def_readwrite("max_kv_len", &IndexTopkParams::max_kv_len)
+      .def_readwrite("k", &IndexTopkParams::k)
+      .PTR_PROPERTY(IndexTopkParams, indices)
+      .def_readwrite("indices_stride", &IndexTopkParams::indices_stride)
+      .PTR_PROPERTY(IndexTopkParams, block_table)
+      .def_readwrite("block_table_stride", &IndexTopkParams::block_table_stride)
+      .def_readwrite("max_blocks", &IndexTopkParams::max_blocks)
+      .def_readwrite("page_size", &IndexTopkParams::page_size);
+  m.def("index_topk_workspace_size", &index_topk_workspace_size);
+  m.def("index_topk", [](const IndexTopkParams& p, uintptr_t workspace, Arch arch, uintptr_t stream) {
+    check(invokeIndexTopk(p, as_ptr<void>(workspace), arch, as_stream(stream)), "index_topk");
   });
 
   m.def("compiled_cuda_archs", &compiled_cuda_archs);

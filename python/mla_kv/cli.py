@@ -163,7 +163,9 @@ def _build_parser() -> _Parser:
         description="Builds the first --layers attention layers of a model with its real shapes (random "
                     "weights, or a local checkpoint's), runs a prompt (fused_write_kv + prefill) and "
                     "--decode-steps single-token steps (fused_write_kv + decode) on a paged latent cache, and "
-                    "compares every step with HF transformers' attention module on the same weights. Exit "
+                    "compares every step with HF transformers' attention module on the same weights. DSA models "
+                    "(deepseek-v3.2, glm-5.x) run the indexer (write_index_keys, index_scores, index_topk) and "
+                    "sparse_attention instead, their top-k checked against HF's indexer. Exit "
                     "code 0: every step within tolerance; 1: an error above it; 2: bad arguments.")
     mla_presets = [name for name, m in planner.MODELS.items() if m.attention == "mla"]
     p.add_argument("--model", default="glm-4.7-flash",
@@ -177,7 +179,13 @@ def _build_parser() -> _Parser:
     p.add_argument("--layers", type=_positive_int, default=2, help="attention layers (default %(default)s)")
     p.add_argument("--heads", type=_positive_int,
                    help="run fewer attention heads than the model has (random weights only), for faster CPU runs")
-    p.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens (default %(default)s)")
+    p.add_argument("--prompt-len", type=_positive_int,
+                   help=f"prompt tokens (default {demo.DENSE_PROMPT_LEN}; DSA models: "
+                        f"{demo.DSA_DEFAULTS['cpu']['prompt_len']} on cpu, {demo.DSA_DEFAULTS['cuda']['prompt_len']:,} "
+                        "on cuda, past the top-k)")
+    p.add_argument("--index-topk", type=_positive_int, metavar="K",
+                   help=f"DSA models: the indexer's top-k (default {demo.DSA_DEFAULTS['cpu']['topk']} on cpu, so that "
+                        f"selection matters at a short context; the model's on cuda)")
     p.add_argument("--decode-steps", type=_positive_int, default=4,
                    help="single-token decode steps after the prompt (default %(default)s)")
     p.add_argument("--block-size", type=_positive_int, default=planner.DEFAULT_BLOCK_SIZE,

@@ -70,12 +70,29 @@ PRESET_ATTENTION: Dict[str, dict] = {
     "kimi-k2": dict(model_type="kimi_k2", hidden_size=7168, q_lora_rank=1536, qk_nope_head_dim=128,
                     v_head_dim=128, rope_theta=5e4, rms_norm_eps=1e-6,
                     rope_scaling=dict(_YARN, factor=32, mscale=1.0, mscale_all_dim=1.0, beta_fast=1)),
+    "deepseek-v3.2": dict(model_type="deepseek_v32", hidden_size=7168, q_lora_rank=1536, qk_nope_head_dim=128,
+                          v_head_dim=128, rope_theta=1e4, rms_norm_eps=1e-6,
+                          rope_scaling=dict(_YARN, factor=40, mscale=1.0, mscale_all_dim=1.0)),
+    **{name: dict(model_type="glm_moe_dsa", hidden_size=6144, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256,
+                  rope_theta=1e6, rms_norm_eps=1e-5) for name in ("glm-5", "glm-5.1", "glm-5.2")},
 }
 
 # config.json keys that shape an MLA attention module; everything else (MoE, vocabulary) is ignored.
 _ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "rope_parameters",
-                   "rope_interleave", "rms_norm_eps", "max_position_embeddings", "attention_bias")
+                   "rope_interleave", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+                   "num_hidden_layers", "index_n_heads", "index_head_dim", "index_topk", "indexer_types")
+
+# DeepSeek Sparse Attention (DSA) runs: the indexer's top-k and the prompt, per device, when not given. The CPU
+# runs a smaller top-k than the models' 2,048 so that selection matters at a context the reference ops run
+# in seconds; both prompts pass the top-k, so the later prefill tokens and every decode step select.
+DSA_DEFAULTS = {"cpu": dict(topk=64, prompt_len=200), "cuda": dict(topk=2048, prompt_len=2400)}
+DENSE_PROMPT_LEN = 64
+# Largest accepted relative error of the library's index logits (fp8 keys of the index cache) against the
+# float64 logits of the unquantized keys: ||ours - ref|| / ||ref|| over a phase's tokens and visible positions.
+# e4m3 keeps 3 mantissa bits of each key value; the random-weight presets show about 1e-2 (docs/demo.md);
+# a wrong rope, Hadamard or weight scale shows as order 1.
+INDEX_TOLERANCE = 8e-2
 
 
 # ------------------------------------------------------------------------------------ models
@@ -94,9 +111,15 @@ def preset_config(name: str) -> dict:
     if name not in PRESET_ATTENTION:
         raise ValueError(f"model {name!r} has no demo preset ({', '.join(PRESET_ATTENTION)})")
     m = planner.MODELS[name]
-    return dict(PRESET_ATTENTION[name], num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                max_position_embeddings=m.max_context, kv_lora_rank=m.kv_lora_rank,
-                qk_rope_head_dim=m.qk_rope_head_dim, num_nextn_predict_layers=m.num_mtp_layers)
+    config = dict(PRESET_ATTENTION[name], num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                  max_position_embeddings=m.max_context, kv_lora_rank=m.kv_lora_rank,
+                  qk_rope_head_dim=m.qk_rope_head_dim, num_nextn_predict_layers=m.num_mtp_layers)
+    if m.sparse:
+        indexed = set(m.index_layers)
+        config.update(index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim, index_topk=m.index_topk)
+        if len(indexed) < m.num_layers:
+            config["indexer_types"] = ["full" if i in indexed else "shared" for i in range(m.num_layers)]
+    return config
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
@@ -131,18 +154,33 @@ def hf_classes(model_type: str):
         from transformers import DeepseekV3Config as config_cls
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3Attention as attention_cls, DeepseekV3RotaryEmbedding as rotary_cls)
+    elif model_type in planner.DSA_MODEL_TYPES:
+        if importlib.util.find_spec(f"transformers.models.{model_type}") is None:
+            raise ImportError(f"the demo of a {model_type} model compares against HF transformers' {model_type} "
+                              "attention, which this transformers lacks: pip install 'transformers>=5.25'")
+        if model_type == "deepseek_v32":
+            from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config as config_cls
+            from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+                DeepseekV32Attention as attention_cls, DeepseekV32RotaryEmbedding as rotary_cls)
+        else:
+            from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as config_cls
+            from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+                GlmMoeDsaAttention as attention_cls, GlmMoeDsaRotaryEmbedding as rotary_cls)
     else:
         raise ValueError(f"model_type {model_type!r} is not an MLA model the demo knows "
                          f"({', '.join(planner.MLA_MODEL_TYPES)})")
     return config_cls, attention_cls, rotary_cls
 
 
-def hf_attention_config(config: dict, num_heads: Optional[int] = None):
-    """The HF config object (eager attention) of config.json fields; ``num_heads`` overrides the heads."""
+def hf_attention_config(config: dict, num_heads: Optional[int] = None, index_topk: Optional[int] = None):
+    """The HF config object (eager attention) of config.json fields; ``num_heads`` overrides the heads and
+    ``index_topk`` a DSA model's top-k."""
     config_cls, _, _ = hf_classes(config.get("model_type"))
     kwargs = {k: config[k] for k in _ATTENTION_KEYS if k in config}
     if num_heads is not None:
         kwargs["num_attention_heads"] = num_heads
+    if index_topk is not None:
+        kwargs["index_topk"] = index_topk
     kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA: every head reads the one latent
     hf_config = config_cls(**kwargs)
     if hf_config.kv_lora_rank != LATENT_DIM or hf_config.qk_rope_head_dim != ROPE_DIM:
@@ -158,6 +196,12 @@ def rope_style(hf_config) -> str:
     return "neox" if getattr(hf_config, "rope_interleave", None) is False else "interleaved"
 
 
+def index_rope_style(model_type: str) -> str:
+    """How a DSA model's indexer pairs the rope dims of its keys and queries: DeepSeek-V3.2 in halves (neox),
+    GLM-5.x in interleaved pairs, whatever its attention does."""
+    return "neox" if model_type == "deepseek_v32" else "interleaved"
+
+
 def random_attention_state(shapes: Dict[str, torch.Size], generator: torch.Generator) -> Dict[str, torch.Tensor]:
     """Random float32 weights for an attention module's parameters (name -> shape).
 
@@ -169,7 +213,7 @@ def random_attention_state(shapes: Dict[str, torch.Size], generator: torch.Gener
     for name, shape in shapes.items():
         if len(shape) == 2:
             state[name] = torch.randn(shape, generator=generator) / math.sqrt(shape[1])
-        elif name.endswith("layernorm.weight"):
+        elif name.endswith("norm.weight"):
             state[name] = torch.rand(shape, generator=generator) + 0.5
         else:
             state[name] = 0.1 * torch.randn(shape, generator=generator)
@@ -234,6 +278,55 @@ class MlaLayer:
         return F.linear(project_out(o_lat.to(self.w_uv.dtype), self.w_uv).flatten(-2), *self.o)
 
 
+class DsaLayer(MlaLayer):
+    """An MLA layer with DeepSeek Sparse Attention: the library's indexer picks the cache rows it attends to.
+
+    Per step, after the latent write (MlaLayer.write)::
+
+        q_I = wq_b(RMSNorm(q_a_proj(h)))  [T, H_I, 128]    k_I = wk(h)  [T, 128]
+        write_index_keys(k_I, k_norm, ..., q=q_I)           LayerNorm + RoPE + Hadamard + e4m3 -> index cache;
+                                                            q_I rotated (RoPE + Hadamard) in place
+        w     = weights_proj(h) / sqrt(H_I * 128)           the heads' weights, both scales folded in
+        logits = index_scores(q_I, w, index cache, ...)     [T, kv_len] float32
+        slots  = index_topk(logits, ..., block_table)       [T, top-k] physical cache slots, -1 padded
+        o_lat  = sparse_attention(q, cache, slots, scale)
+
+    A layer without an indexer (GLM-5.2's shared layers, ``has_indexer`` False) attends to the slots of the
+    previous indexed layer in the same step (planner.index_source_layers).
+    """
+
+    def __init__(self, attn: torch.nn.Module, dtype: torch.dtype):
+        super().__init__(attn, dtype)
+        indexer = attn.indexer
+        self.has_indexer = indexer is not None
+        if not self.has_indexer:
+            return
+        self.index_heads, self.index_dim = indexer.n_heads, indexer.head_dim
+        self.wq_b, self.wk = indexer.wq_b.weight.detach(), indexer.wk.weight.detach()
+        self.weights_proj = indexer.weights_proj.weight.detach()
+        self.k_norm = (indexer.k_norm.weight.detach(), indexer.k_norm.bias.detach(), indexer.k_norm.eps)
+
+    def index_queries(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> the index queries [T, H_I, 128] in ``dtype``, not yet rotated."""
+        q_resid = rms_norm(F.linear(h, *self.q_a), self.q_a_norm, self.q_a_eps)
+        return F.linear(q_resid, self.wq_b).view(h.shape[0], self.index_heads, self.index_dim).to(self.dtype)
+
+    def index_weights(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> float32 [T, H_I]: the heads' weights times H_I^-1/2 and the q.k scale 128^-1/2."""
+        return (F.linear(h, self.weights_proj) / math.sqrt(self.index_heads * self.index_dim)).float()
+
+    def index_keys(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> the index keys [T, 128] in ``dtype``, before their LayerNorm."""
+        return F.linear(h, self.wk).to(self.dtype)
+
+    def write_index(self, k_index: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, style: str,
+                    index_cache: torch.Tensor, slots: torch.Tensor, q_index: torch.Tensor) -> None:
+        """Writes the tokens' index keys at ``slots``; rotates q_index in place."""
+        weight, bias, eps = self.k_norm
+        ops.write_index_keys(k_index, weight, bias, eps, positions, table, index_cache, slots, rope_style=style,
+                             q=q_index)
+
+
 # ------------------------------------------------------------------------------------ stack
 @dataclass
 class Stack:
@@ -259,15 +352,18 @@ class Stack:
 
 
 def build_stack(spec: ModelSpec, num_layers: int, dtype: torch.dtype, device, *, seed: int = 0,
-                num_heads: Optional[int] = None) -> Stack:
+                num_heads: Optional[int] = None, index_topk: Optional[int] = None) -> Stack:
     """The first ``num_layers`` attention layers of ``spec``: random weights, or the checkpoint's.
 
     Weights are rounded to ``dtype`` (the precision a deployment stores them in) and held in HF_DTYPE by
-    the HF modules on ``device``; the library layers use those same tensors (MlaLayer).
+    the HF modules on ``device``; the library layers use those same tensors (MlaLayer, DsaLayer for a DSA
+    model, whose top-k is ``index_topk``, default the model's).
     """
     if spec.checkpoint is not None and num_heads is not None:
         raise ValueError("num_heads: a checkpoint's weights fix the heads; the override is for random weights")
-    hf_config = hf_attention_config(spec.config, num_heads)
+    if index_topk is not None and not spec.model.sparse:
+        raise ValueError(f"index_topk: {spec.name} has no indexer (DeepSeek Sparse Attention)")
+    hf_config = hf_attention_config(spec.config, num_heads, index_topk)
     _, attention_cls, rotary_cls = hf_classes(spec.config.get("model_type"))
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
@@ -290,7 +386,7 @@ def build_stack(spec: ModelSpec, num_layers: int, dtype: torch.dtype, device, *,
         attn = attn.to_empty(device=device).to(HF_DTYPE).eval()
         attn.load_state_dict({k: v.to(dtype).to(HF_DTYPE) for k, v in state.items()})
         hf_layers.append(attn)
-        layers.append(MlaLayer(attn, dtype))
+        layers.append((DsaLayer if spec.model.sparse else MlaLayer)(attn, dtype))
     rotary = rotary_cls(hf_config).to(device)
     weights = (f"from {spec.checkpoint}" if spec.checkpoint is not None
                else f"random (seed {seed}, std 1/sqrt(fan_in))")
@@ -315,11 +411,26 @@ class Phase:
     q_tokens: int
     kv_len: int
     errors: List[float] = field(default_factory=list)  # ||out - ref|| / ||ref|| per layer
+    selections: List["Selection"] = field(default_factory=list)  # DSA: per indexed layer and token
+    index_errors: List[float] = field(default_factory=list)  # DSA: ||logits - exact|| / ||exact|| per indexed layer
 
     @property
     def max_error(self) -> float:
         """The largest layer error; NaN if any layer's is NaN (max() would depend on the order)."""
         return math.nan if any(math.isnan(e) for e in self.errors) else max(self.errors)
+
+    @property
+    def max_index_error(self) -> float:
+        errors = self.index_errors
+        return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+    def fails(self, tolerance: float, index_tolerance: Optional[float]) -> bool:
+        """Whether the output error is above tolerance (NaN too) or, with selections, an index error is above
+        index_tolerance or a selection is inconsistent (check_selection)."""
+        if not self.max_error <= tolerance:
+            return True
+        return bool(self.selections) and not (self.max_index_error <= index_tolerance and
+                                              all(s.consistent for s in self.selections))
 
 
 @dataclass
@@ -327,10 +438,11 @@ class DemoResult:
     phases: List[Phase]
     tolerance: float
     timings_us: Optional[Dict[str, Tuple[str, float]]] = None  # kernel -> (shape, median microseconds)
+    index_tolerance: Optional[float] = None  # DSA runs: the bound of a phase's max_index_error
 
     @property
     def failed(self) -> List[Phase]:
-        return [p for p in self.phases if not p.max_error <= self.tolerance]  # NaN fails too
+        return [p for p in self.phases if p.fails(self.tolerance, self.index_tolerance)]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -415,6 +527,243 @@ def run(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, *, se
     return DemoResult(phases, TOLERANCES[dtype] if kv_format is None else FORMAT_TOLERANCES[kv_format], timings)
 
 
+# ------------------------------------------------------------------------- sparse (DSA) runs
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """x [..., 128] with its first 64 dims rotated (cos, sin [..., 32], one angle per pair): neox pairs dim i
+    with i + 32, interleaved 2i with 2i + 1. The rotated pairs come back in x's own order."""
+    rope = x[..., :ROPE_DIM]
+    if style == "neox":
+        a, b = rope[..., :ROPE_DIM // 2], rope[..., ROPE_DIM // 2:]
+        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    else:
+        a, b = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([rotated, x[..., ROPE_DIM:]], dim=-1)
+
+
+def exact_index_logits(indexer: torch.nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor,
+                       position_embeddings, style: str) -> torch.Tensor:
+    """The indexer's logits in float64 from its own weights, without fp8 or Hadamard: [T, T], -inf past
+    each token's position (hidden, q_resid: one sequence's [T, ...] at positions 0..T-1; position_embeddings:
+    HF's (cos, sin), one angle per pair in their first half). The reference the library's logits and HF's
+    selection are both checked against."""
+    tokens, heads, dim = hidden.shape[0], indexer.n_heads, indexer.head_dim
+    cos, sin = (t.reshape(tokens, -1)[:, :ROPE_DIM // 2].double() for t in position_embeddings)
+    q = F.linear(q_resid.double(), indexer.wq_b.weight.double()).view(tokens, heads, dim)
+    norm = indexer.k_norm
+    k = F.layer_norm(F.linear(hidden.double(), indexer.wk.weight.double()), (dim,), norm.weight.double(),
+                     norm.bias.double(), norm.eps)
+    q, k = _rotate_pairs(q, cos[:, None], sin[:, None], style), _rotate_pairs(k, cos, sin, style)
+    weights = F.linear(hidden.double(), indexer.weights_proj.weight.double()) / math.sqrt(heads * dim)
+    logits = torch.einsum("th,ths->ts", weights, torch.einsum("thd,sd->ths", q, k).clamp_min(0))
+    return logits.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool, device=hidden.device).triu(1),
+                              float("-inf"))
+
+
+@dataclass
+class Selection:
+    """How one layer's top-k of one token compares (the robust check, docs/demo.md).
+
+    With e = max |ours - exact| over the visible positions and t_k the k-th largest exact logit, a
+    position whose exact logit lies outside [t_k - 2e, t_k + 2e] is in the top-k of any logits within e
+    of the exact ones exactly when it is above the band. So the library's set passes when it is the top-k
+    of its own logits and agrees with HF's set, and with the exact top-k, on every position outside the
+    band (HF computes in float32: its own margin is added); the logits' error itself is bounded per phase
+    (Phase.index_errors, INDEX_TOLERANCE)."""
+
+    overlap: float            # |ours & HF's| / |HF's|
+    ambiguous: int            # positions in the band, where the two sets may differ
+    consistent: bool          # ours is the top-k of our logits and agrees with HF's outside the band
+
+
+def check_selection(ours: torch.Tensor, our_logits: torch.Tensor, hf_set: torch.Tensor, exact: torch.Tensor,
+                    topk: int) -> Selection:
+    """ours, hf_set: the selected positions (any order, -1 or positions past the token's ignored); our_logits,
+    exact: the token's logits over its visible positions 0..p (float64)."""
+    visible = exact.shape[0]
+    mine = torch.zeros(visible, dtype=torch.bool)
+    mine[ours[(ours >= 0) & (ours < visible)].long()] = True
+    theirs = torch.zeros(visible, dtype=torch.bool)
+    theirs[hf_set[(hf_set >= 0) & (hf_set < visible)].long()] = True
+    scale = float(exact.abs().max()) or 1.0
+    error = float((our_logits - exact).abs().max())
+    if visible <= topk:  # every visible position is selected
+        return Selection(float(theirs.sum()) / visible, 0, bool(mine.all() and theirs.all()))
+    own_top = int(mine.sum()) == topk and (not (~mine).any() or
+                                           float(our_logits[mine].min()) >= float(our_logits[~mine].max()))
+    threshold = float(exact.topk(topk).values[-1])
+    band = 2 * error + 1e-5 * scale  # HF's float32 logits lie within ~1e-6 of the exact ones
+    clear = (exact - threshold).abs() > band
+    agree = bool((mine[clear] == theirs[clear]).all()) and bool((mine[clear] == (exact[clear] > threshold)).all())
+    return Selection(float((mine & theirs).sum()) / topk, int((~clear).sum()), own_top and agree)
+
+
+def hf_sparse_attention(attn: torch.nn.Module, rotary: torch.nn.Module, hidden: torch.Tensor, forced: torch.Tensor,
+                        style: str) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """HF's DSA attention over hidden [T, hidden] (positions 0..T-1) attending to the positions ``forced``
+    [T, k] (the library's selection, -1 padded) instead of its own indexer's, so that the outputs compare
+    at float rounding. -> (output [T, hidden], HF's own top-k [T, k'] (its indexer's output on these
+    inputs), the exact logits [T, T]); the last two None for a layer without an indexer."""
+    tokens = hidden.shape[0]
+    positions = torch.arange(tokens, device=hidden.device)
+    mask = torch.full((tokens, tokens), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)
+    # -1 pads a row with fewer visible positions than k; HF scatters every index, so repeat the token's own
+    forced = torch.where(forced >= 0, forced, positions[:, None]).to(torch.int32)[None]
+    captured = {}
+    if attn.indexer is not None:
+        select = attn.indexer.forward
+
+        def forced_selection(hidden_states, q_resid, position_embeddings, *args, **kwargs):
+            captured["hf"] = select(hidden_states, q_resid, position_embeddings, *args, **kwargs)[0]
+            captured["exact"] = exact_index_logits(attn.indexer, hidden_states[0], q_resid[0], position_embeddings,
+                                                   style)
+            return forced
+        attn.indexer.forward = forced_selection
+    try:
+        extra = {} if attn.indexer is not None else dict(prev_topk_indices=forced)
+        outputs = attn(hidden[None], position_embeddings=rotary(hidden, positions[None]),
+                       attention_mask=mask[None, None], **extra)
+    finally:
+        if attn.indexer is not None:
+            del attn.indexer.forward
+    return outputs[0][0], captured.get("hf"), captured.get("exact")
+
+
+def run_sparse(stack: Stack, prompt_len: int, decode_steps: int, block_size: int, topk: int, *, seed: int = 0,
+               time_kernels: bool = False, kv_format: Optional[str] = None) -> DemoResult:
+    """run() for a DSA model: each layer writes its latent rows and (with an indexer) its index keys, scores
+    and selects its top-k slots, and attends to them alone; a layer without an indexer reuses the previous
+    indexed layer's slots. Prefill, then single-token decode steps. Each layer's output is checked against
+    HF's attention module attending to the same selection (at the tolerance of run()), and each selection
+    against HF's own indexer and the exact logits (check_selection). kv_format: a quantized latent cache, as in
+    run() (the index cache is e4m3 whatever it is)."""
+    total = prompt_len + decode_steps
+    device, dtype = stack.device, stack.dtype
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(total, stack.hf_config.hidden_size, generator=generator).to(device)  # float32, as HF
+
+    num_blocks = -(-total // block_size)
+    block_table = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)[None].to(device)
+    caches = [_stale_cache(num_blocks + 1, block_size, dtype, kv_format, device, generator) for _ in stack.layers]
+    quantized = {} if kv_format is None else dict(kv_format=kv_format,
+                                                  kv_scale=FP8_KV_SCALE if kv_format == "fp8" else None)
+    index_caches = [torch.randint(0, 256, layout.index_cache_shape(num_blocks + 1, block_size), generator=generator,
+                                  dtype=torch.uint8).to(device) for _ in stack.layers]
+    c = stack.hf_config
+    cos_sin = rope.cos_sin_cache(c.qk_rope_head_dim, total, scaling=c.rope_parameters, dtype=torch.float32,
+                                 device=device)
+    style, scale = rope_style(c), stack.softmax_scale
+    index_style = index_rope_style(stack.spec.config.get("model_type"))
+    sources = [i if layer.has_indexer else None for i, layer in enumerate(stack.layers)]
+    for i, source in enumerate(sources):
+        sources[i] = i if source is not None else sources[i - 1]
+    block_position = torch.full((num_blocks + 1,), -1, dtype=torch.long)  # physical block -> its first position
+    block_position[block_table[0].long().cpu()] = torch.arange(num_blocks) * block_size
+
+    def slots_of(positions):
+        return block_table[0, positions // block_size].long() * block_size + positions % block_size
+
+    def positions_of(slots):
+        slots = slots.long().cpu()
+        return torch.where(slots >= 0, block_position[slots.clamp_min(0) // block_size] + slots % block_size, -1)
+
+    selected = [torch.full((total, topk), -1, dtype=torch.long) for _ in stack.layers]   # positions, per layer
+    logits = [torch.full((total, total), float("-inf"), dtype=torch.float64) for _ in stack.layers]
+    outputs = [torch.zeros(total, c.hidden_size, device=device) for _ in stack.layers]
+
+    def step(first, last):
+        n = last - first
+        positions = torch.arange(first, last, device=device)
+        kv_lens = torch.tensor([last], dtype=torch.int32, device=device)
+        packed = dict(cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=device)) if n > 1 else {}
+        h, slots_by_layer = x[first:last], {}
+        for index, layer in enumerate(stack.layers):
+            q = layer.queries(h)
+            layer.write(layer.latent(h), positions, cos_sin, style, caches[index], slots_of(positions), q, kv_format)
+            if layer.has_indexer:
+                q_index = layer.index_queries(h)
+                layer.write_index(layer.index_keys(h), positions, cos_sin, index_style, index_caches[index],
+                                  slots_of(positions), q_index)
+                scores = ops.index_scores(q_index, layer.index_weights(h), index_caches[index], block_table, kv_lens,
+                                          last, max_q_len=n if packed else None, **packed)
+                slots_by_layer[index] = ops.index_topk(scores, kv_lens, topk, block_table=block_table,
+                                                       page_size=block_size, **packed)
+                logits[index][first:last, :last] = scores.double().cpu()
+            slots = slots_by_layer[sources[index]]
+            selected[index][first:last] = positions_of(slots)
+            o_lat, _ = ops.sparse_attention(q, caches[index], slots, scale, **quantized)
+            outputs[index][first:last] = layer.output(o_lat)
+            h = h + outputs[index][first:last]
+
+    with torch.no_grad():
+        step(0, prompt_len)
+        for k in range(decode_steps):
+            step(prompt_len + k, prompt_len + k + 1)
+        hf_out, hf_topk, exact = [], [], []
+        h = x
+        for index, attn in enumerate(stack.hf_layers):
+            out, hf_set, exact_logits = hf_sparse_attention(attn, stack.rotary, h, selected[index].to(device),
+                                                            index_style)
+            hf_out.append(out)
+            hf_topk.append(None if hf_set is None else hf_set.cpu())
+            exact.append(None if exact_logits is None else exact_logits.cpu())
+            h = h + out
+
+    phases = []
+    bounds = [("prefill", 0, prompt_len)] + [(f"decode {k + 1}", prompt_len + k, prompt_len + k + 1)
+                                            for k in range(decode_steps)]
+    for name, first, last in bounds:
+        phase = Phase(name, last - first, last)
+        for index in range(len(stack.layers)):
+            phase.errors.append(relative_error(outputs[index][first:last], hf_out[index][first:last]))
+            if exact[index] is None:
+                continue
+            visible = torch.ones(last - first, last, dtype=torch.bool).tril(first)
+            phase.index_errors.append(relative_error(logits[index][first:last, :last][visible],
+                                                     exact[index][first:last, :last][visible]))
+            for t in range(first, last):
+                phase.selections.append(check_selection(selected[index][t], logits[index][t, :t + 1],
+                                                        hf_topk[index][t], exact[index][t, :t + 1], topk))
+        phases.append(phase)
+    timings = _time_sparse_kernels(stack.layers[0], x, total, cos_sin, style, index_style, scale, caches[0],
+                                   index_caches[0], block_table, slots_of, topk) if time_kernels and not kv_format else None
+    tolerance = TOLERANCES[dtype] if kv_format is None else FORMAT_TOLERANCES[kv_format]
+    return DemoResult(phases, tolerance, timings, index_tolerance=INDEX_TOLERANCE)
+
+
+def _time_sparse_kernels(layer: DsaLayer, x, total, cos_sin, style, index_style, scale, cache, index_cache,
+                         block_table, slots_of, topk) -> Dict[str, Tuple[str, float]]:
+    """CUDA timings of the ops of layer 0's last decode step (its rows already written): the index-key write,
+    the index scores, the top-k and the sparse attention."""
+    device = x.device
+    last = torch.arange(total - 1, total, device=device)
+    h = x[total - 1:]
+    q, q_index, k_index = layer.queries(h), layer.index_queries(h), layer.index_keys(h)
+    layer.write(layer.latent(h), last, cos_sin, style, cache, slots_of(last), q)
+    layer.write_index(k_index, last, cos_sin, index_style, index_cache, slots_of(last), q_index)
+    scratch, weights = layer.index_queries(h), layer.index_weights(h)
+    kv_lens = torch.tensor([total], dtype=torch.int32, device=device)
+    scores = ops.index_scores(q_index, weights, index_cache, block_table, kv_lens, total)
+    workspace = torch.zeros(ops.index_topk_workspace_size(1, total, topk), dtype=torch.uint8, device=device)
+    slots = ops.index_topk(scores, kv_lens, topk, block_table=block_table, page_size=cache.shape[1],
+                           workspace=workspace)
+    heads, index_heads = layer.num_heads, layer.index_heads
+
+    def timed(fn):
+        return 1e6 * time_graph(lambda _: fn(), calls=10, samples=11)
+    return {
+        "write_index_keys": (f"1 token, q {index_heads} heads", timed(
+            lambda: layer.write_index(k_index, last, cos_sin, index_style, index_cache, slots_of(last), scratch))),
+        "index_scores": (f"1 query x {index_heads} heads, kv {total}", timed(
+            lambda: ops.index_scores(q_index, weights, index_cache, block_table, kv_lens, total, out=scores))),
+        "index_topk": (f"top {topk} of {total}", timed(
+            lambda: ops.index_topk(scores, kv_lens, topk, block_table=block_table, page_size=cache.shape[1],
+                                   out=slots, workspace=workspace))),
+        "sparse_attention": (f"1 query x {heads} heads, {topk} rows", timed(
+            lambda: ops.sparse_attention(q, cache, slots, scale))),
+    }
+
+
 def _time_kernels(layer: MlaLayer, x, prompt_len, total, cos_sin, style, scale, cache, block_table,
                   slots_of) -> Dict[str, Tuple[str, float]]:
     """CUDA timings of the three ops on layer 0's inputs: the prompt's write and prefill, the last decode.
@@ -458,28 +807,54 @@ def describe(stack: Stack, block_size: int) -> List[str]:
     rope_desc = f"{scaling.get('rope_type', 'default')} theta {scaling.get('rope_theta'):,.0f}"
     if scaling.get("factor"):
         rope_desc += f" factor {scaling['factor']:g}"
+    indexer = []
+    if stack.spec.model.sparse:
+        m = stack.spec.model
+        shared = [i for i, layer in enumerate(stack.layers) if not layer.has_indexer]
+        topk = f"top-k {c.index_topk:,}" + ("" if c.index_topk == m.index_topk else f" (the model's {m.index_topk:,})")
+        indexer = [f"indexer      DSA: {c.index_n_heads} index heads x {c.index_head_dim}, {topk}, RoPE "
+                   f"{index_rope_style(stack.spec.config.get('model_type'))} on dims 0..63, Hadamard, e4m3 index "
+                   f"cache (132 B/token)" + (f"; layers {', '.join(map(str, shared))} reuse the previous indexed "
+                                             "layer's top-k" if shared else "")]
+    cache = "paged latent cache" + (" and index cache" if indexer else "")
     return [
         f"model        {stack.spec.name} ({stack.spec.config.get('model_type')}): hidden {c.hidden_size}, {heads}, "
         f"{q_path}, kv_lora {c.kv_lora_rank}, nope/rope/v {c.qk_nope_head_dim}/{c.qk_rope_head_dim}/{c.v_head_dim}",
         f"attention    RoPE {rope_desc} ({rope_style(c)}), softmax scale {stack.softmax_scale:.6g}",
+        *indexer,
         f"stack        layers 0..{len(stack.layers) - 1}, h <- h + attn(h); weights {stack.weights}; "
-        f"paged latent cache, block size {block_size}, shuffled block table",
+        f"{cache}, block size {block_size}, shuffled block table",
         f"reference    HF transformers {transformers.__version__} {type(stack.hf_layers[0]).__name__} "
         f"(eager, {str(HF_DTYPE).replace('torch.', '')}) on the same weights",
     ]
 
 
 def format_phases(result: DemoResult) -> str:
-    """The per-phase error table, each phase marked ok or FAIL, and what the error means."""
-    rows = [("phase", "q tokens", "kv len", "max rel err", "")]
+    """The per-phase error table, each phase marked ok or FAIL, and what the error means. A DSA run adds
+    the index logits' error, the top-k's overlap with HF's and the positions in the threshold's band."""
+    sparse = result.index_tolerance is not None
+    header = ("phase", "q tokens", "kv len", "max rel err") + (("index err", "top-k = HF", "in band") if sparse else ())
+    rows = [header + ("",)]
     for p in result.phases:
-        rows.append((p.name, str(p.q_tokens), str(p.kv_len), f"{p.max_error:.2e}",
-                     "ok" if p.max_error <= result.tolerance else "FAIL"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:4], widths[1:4])] + [r[4]])
-             .rstrip() for r in rows]
+        cells = (p.name, str(p.q_tokens), str(p.kv_len), f"{p.max_error:.2e}")
+        if sparse:
+            overlap = min(s.overlap for s in p.selections)
+            cells += (f"{p.max_index_error:.2e}", f"{100 * overlap:.1f}%", str(max(s.ambiguous for s in p.selections)))
+        rows.append(cells + ("FAIL" if p.fails(result.tolerance, result.index_tolerance) else "ok",))
+    columns = len(header)
+    widths = [max(len(r[i]) for r in rows) for i in range(columns)]
+    lines = ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:columns], widths[1:columns])]
+                       + [r[columns]]).rstrip() for r in rows]
     lines.append(f"rel err = ||out - ref|| / ||ref|| of a layer's attention output, max over the layers; "
                  f"tolerance {result.tolerance:g}")
+    if sparse:
+        lines.append("sparse layers: HF's attention attends to the library's top-k (its own indexer's top-k is "
+                     "compared separately);")
+        lines.append(f"index err = ||logits - exact|| / ||exact|| of the phase's index logits, max over the layers "
+                     f"(exact: float64, unquantized keys), tolerance {result.index_tolerance:g};")
+        lines.append("top-k = HF: the smallest share of HF's top-k the library selected; in band: the most positions "
+                     "of a token within 2 x its largest logit error of the k-th exact logit, where the sets may "
+                     "differ (elsewhere they must agree)")
     return "\n".join(lines)
 
 
@@ -567,6 +942,15 @@ def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
         spec = resolve_model(args.model)
     except (ValueError, TypeError) as e:
         args.parser.error(str(e))
+    device, note = _device(args)
+    index_topk = getattr(args, "index_topk", None)
+    if index_topk is not None and not spec.model.sparse:
+        args.parser.error(f"--index-topk: {spec.name} has no indexer (DeepSeek Sparse Attention)")
+    if spec.model.sparse:
+        defaults = DSA_DEFAULTS[device.type]
+        index_topk = index_topk or defaults["topk"]
+        args.prompt_len = args.prompt_len or defaults["prompt_len"]
+    args.prompt_len = args.prompt_len or DENSE_PROMPT_LEN
     if args.layers > spec.model.num_layers:
         args.parser.error(f"--layers {args.layers}: {spec.name} has {spec.model.num_layers} layers")
     if args.prompt_len + args.decode_steps > spec.model.max_context:
@@ -579,10 +963,10 @@ def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
                           f"{spec.model.max_context:,}")
     if args.heads is not None and args.heads > spec.model.num_heads:  # it makes runs faster, never larger
         args.parser.error(f"--heads {args.heads}: {spec.name} has {spec.model.num_heads} attention heads")
-    device, note = _device(args)
     dtype_name = _dtype(args, device)
     try:
-        stack = build_stack(spec, args.layers, DTYPES[dtype_name], device, seed=args.seed, num_heads=args.heads)
+        stack = build_stack(spec, args.layers, DTYPES[dtype_name], device, seed=args.seed, num_heads=args.heads,
+                            index_topk=index_topk)
     except ImportError as e:  # transformers or safetensors missing: not an argument error
         print(f"mla-kv demo: {e}", file=sys.stderr)
         return 1
@@ -602,8 +986,12 @@ def main(args, gpu: Optional[Tuple[str, int]] = None) -> int:
           f"on {where}{cache}")
     print("\n".join(describe(stack, args.block_size)), end="\n\n", flush=True)
     try:
-        result = run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
-                     time_kernels=device.type == "cuda", kv_format=getattr(args, "kv_format", None))
+        if spec.model.sparse:
+            result = run_sparse(stack, args.prompt_len, args.decode_steps, args.block_size, index_topk,
+                                seed=args.seed, time_kernels=device.type == "cuda", kv_format=kv_format)
+        else:
+            result = run(stack, args.prompt_len, args.decode_steps, args.block_size, seed=args.seed,
+                         time_kernels=device.type == "cuda", kv_format=kv_format)
     except (ValueError, TypeError) as e:  # an op rejecting this configuration (e.g. the block size)
         args.parser.error(str(e))
     print(format_phases(result), end="\n\n")

@@ -209,6 +209,28 @@ class BlockPointerCache:
         return 0 if self.rope_first else LATENT_DIM
 
 
+@dataclass
+class IndexBlockPointerCache:
+    """One indexed layer's index-key pages behind TurboMind-style block pointers.
+
+    block_ptrs: int64 tensor of block base addresses (16-byte aligned) on the cache's device (host
+        addresses for CPU tensors, which the reference writes through).
+    cu_block_nums: int32 [B + 1], sequence b owns block_ptrs[cu_block_nums[b]:cu_block_nums[b+1]].
+    block_seq_len: tokens per block.
+    layer_offset_bytes: where this layer's page starts inside each block (a multiple of 16): block_seq_len x
+        128 e4m3 codes, then block_seq_len float32 scales (the paged index cache's page, INDEX_ROW_BYTES a token).
+    """
+
+    block_ptrs: torch.Tensor
+    cu_block_nums: torch.Tensor
+    block_seq_len: int
+    layer_offset_bytes: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_block_nums.shape[0] - 1
+
+
 class BlockPool:
     """A pool of TurboMind-style blocks in one tensor, for tests, demos and engines without one.
 

@@ -21,11 +21,20 @@ is planned for kv_format None alone (a 16-bit expanded row next to a quantized l
 compare the format and the layout at once). GQA models and MLA models whose rows are not 512 + 64
 values have no quantized format here.
 
+DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5.x) adds the indexer's key cache to every layer
+that runs an indexer: one key of index_head_dim e4m3 codes and a float32 scale per token
+(mla_kv.layout.INDEX_ROW_BYTES = 132 B for the 128-dim keys of every DSA model), in blocks of the same
+block size as the latent cache. It is one key per token, like the latent row, so tensor parallelism
+does not shrink it, and it is the same in every layout and kv_format. A layer without an indexer
+(GLM-5.2's "shared" layers, which reuse the previous indexed layer's top-k) has no index cache.
+Counted MTP layers of a DSA model are counted as indexed: an MTP block is a full DSA layer.
+
 Memory accounting (TurboMind's ``cache_max_entry_count`` semantics), per GPU::
 
     free         = gpu_mem - weight_bytes / tp - reserved_bytes
     cache        = floor(ratio * free)                   ratio: fraction of FREE memory, default 0.8
-    bytes_per_block = block_size * bytes_per_token       bytes_per_token: all cached layers
+    bytes_per_block = block_size * bytes_per_token       bytes_per_token: all cached layers, with the
+                                                         index cache of the indexed layers (DSA)
     num_blocks   = cache // bytes_per_block              whole blocks only
     max_tokens   = num_blocks * block_size * cp          context parallelism spreads tokens over cp GPUs
     session_len  = min(max_tokens, model max context)    truncated when max_tokens is the smaller
@@ -55,13 +64,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import layout
 from ._checks import integer, real
-from .layout import LATENT_DIM, ROPE_DIM
+from .layout import INDEX_DIM, LATENT_DIM, ROPE_DIM
 
 GiB = 1 << 30
 GB = 10 ** 9
@@ -73,7 +82,9 @@ DEFAULT_BLOCK_SIZE = 64
 CACHE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 # HF config.json model types whose attention is MLA (a latent cache of kv_lora_rank + rope values).
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+# ... and those of them with DeepSeek Sparse Attention (an indexer and its key cache).
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)
@@ -87,12 +98,42 @@ class MlaModel:
     kv_lora_rank: int = LATENT_DIM
     qk_rope_head_dim: int = ROPE_DIM
     num_mtp_layers: int = 0              # num_nextn_predict_layers
+    # DeepSeek Sparse Attention; index_n_heads 0: none. index_layers: the layers that run an indexer and
+    # keep an index cache (ascending, layer 0 first: a layer without one reuses the previous one's top-k).
+    index_n_heads: int = 0               # index_n_heads
+    index_head_dim: int = 0              # index_head_dim
+    index_topk: int = 0                  # index_topk
+    index_layers: Tuple[int, ...] = ()   # indexer_types "full" (all layers when the config lists none)
 
     attention = "mla"
 
     def __post_init__(self) -> None:
         _check_sizes(self, num_layers=1, num_heads=1, max_context=1, kv_lora_rank=1, qk_rope_head_dim=0,
-                     num_mtp_layers=0)
+                     num_mtp_layers=0, index_n_heads=0, index_head_dim=0, index_topk=0)
+        layers = self.index_layers
+        if not isinstance(layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise TypeError(f"MlaModel.index_layers: expected a tuple of ints, got {layers!r}")
+        if not self.index_n_heads:
+            if layers or self.index_head_dim or self.index_topk:
+                raise ValueError("MlaModel.index_n_heads: index_layers, index_head_dim and index_topk need an "
+                                 "indexer (index_n_heads >= 1)")
+            return
+        _check_sizes(self, index_head_dim=1, index_topk=1)
+        if not layers or layers[0] != 0 or list(layers) != sorted(set(layers)) or layers[-1] >= self.num_layers:
+            raise ValueError(f"MlaModel.index_layers: ascending layer numbers in [0, {self.num_layers}) starting at "
+                             f"layer 0 (a layer without an indexer reuses the previous one's), got {layers}")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the model runs DeepSeek Sparse Attention (an indexer, an index cache)."""
+        return self.index_n_heads > 0
+
+    @property
+    def index_bytes_per_token_per_layer(self) -> int:
+        """The index cache's bytes per token in an indexed layer: e4m3 codes and a float32 scale (0: no DSA)."""
+        if not self.sparse:
+            return 0
+        return layout.INDEX_ROW_BYTES if self.index_head_dim == INDEX_DIM else self.index_head_dim + 4
 
     def bytes_per_token_per_layer(self, element_size: int, tp: int) -> Dict[str, int]:
         if self.num_heads % tp:
@@ -138,6 +179,16 @@ MODELS: Dict[str, Model] = {m.name: m for m in (
     MlaModel("deepseek-v2-lite", num_layers=27, num_heads=16, max_context=163_840),
     MlaModel("deepseek-v3", num_layers=61, num_heads=128, max_context=163_840, num_mtp_layers=1),
     MlaModel("kimi-k2", num_layers=61, num_heads=64, max_context=131_072),
+    MlaModel("deepseek-v3.2", num_layers=61, num_heads=128, max_context=163_840, num_mtp_layers=1,
+             index_n_heads=64, index_head_dim=128, index_topk=2048, index_layers=tuple(range(61))),
+    MlaModel("glm-5", num_layers=78, num_heads=64, max_context=202_752, num_mtp_layers=1,
+             index_n_heads=32, index_head_dim=128, index_topk=2048, index_layers=tuple(range(78))),
+    MlaModel("glm-5.1", num_layers=78, num_heads=64, max_context=202_752, num_mtp_layers=1,
+             index_n_heads=32, index_head_dim=128, index_topk=2048, index_layers=tuple(range(78))),
+    # GLM-5.2 ("IndexShare"): layers 0, 1, 2, then every 4th (6, 10, ..., 74) index; the 57 others reuse
+    # the previous indexed layer's top-k (indexer_types; HF's index_topk_freq 4, index_skip_topk_offset 3).
+    MlaModel("glm-5.2", num_layers=78, num_heads=64, max_context=202_752, num_mtp_layers=1,
+             index_n_heads=32, index_head_dim=128, index_topk=2048, index_layers=(0, 1, 2, *range(6, 78, 4))),
     GqaModel("llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, max_context=131_072),
     GqaModel("llama-3.1-70b", num_layers=80, num_kv_heads=8, head_dim=128, max_context=131_072),
 )}
@@ -149,11 +200,46 @@ GPU_MEM_GIB: Dict[str, float] = {
 }
 
 
+def index_source_layers(model: Model) -> List[Optional[int]]:
+    """For each layer of ``model``, the layer whose top-k indices its sparse attention reads: itself when it
+    runs an indexer, else the nearest indexed layer before it (GLM-5.2's shared layers); None for every
+    layer of a model without DSA."""
+    if not isinstance(model, (MlaModel, GqaModel)):
+        raise TypeError(f"model: expected an MlaModel or GqaModel, got {type(model).__name__}")
+    if model.attention != "mla" or not model.sparse:
+        return [None] * model.num_layers
+    indexed, source = set(model.index_layers), []
+    for layer in range(model.num_layers):
+        source.append(layer if layer in indexed else source[-1])  # layer 0 is always indexed
+    return source
+
+
+def _indexed_layers(cfg: dict, num_layers: int, name: str) -> Tuple[int, ...]:
+    """The indexed layers of a DSA config: ``indexer_types`` ("full" / "shared" per layer), else
+    ``index_topk_pattern`` ("F" / "S" per layer, a string or a list of "full" / "shared"), else the schedule
+    ``index_topk_freq`` / ``index_skip_topk_offset`` (layer i indexes when max(i - offset + 1, 0) is a
+    multiple of freq; defaults 1 and 2: every layer), the keys HF transformers' GlmMoeDsaConfig reads."""
+    kinds = cfg.get("indexer_types")
+    key = "indexer_types"
+    if kinds is None and cfg.get("index_topk_pattern") is not None:
+        key, pattern = "index_topk_pattern", cfg["index_topk_pattern"]
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if kinds is None:
+        freq = integer(f"{name}: 'index_topk_freq'", cfg.get("index_topk_freq", 1), 1)
+        offset = integer(f"{name}: 'index_skip_topk_offset'", cfg.get("index_skip_topk_offset", 2), 0)
+        return tuple(i for i in range(num_layers) if max(i - offset + 1, 0) % freq == 0)
+    if not isinstance(kinds, list) or len(kinds) != num_layers or not set(kinds) <= {"full", "shared"}:
+        raise ValueError(f"{name}: {key!r} must give 'full' or 'shared' for each of the {num_layers} layers")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "full")
+
+
 def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
     """A model from an HF config dict: MLA by model_type, else GQA when it has num_key_value_heads.
 
     Multimodal configs are read through their ``text_config``. Every size read must be an integer
-    (layer and head counts >= 1), else a ValueError/TypeError names ``name`` and the key.
+    (layer and head counts >= 1), else a ValueError/TypeError names ``name`` and the key. A DSA model
+    (model_type deepseek_v32, glm_moe_dsa) also needs index_n_heads, index_head_dim and index_topk; its
+    indexed layers are all of them unless the config lists them (see _indexed_layers).
     """
     if not isinstance(config, dict):
         raise TypeError(f"{name}: expected a dict (a JSON object), got {type(config).__name__}")
@@ -172,9 +258,18 @@ def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
 
     mtp_layers = optional("num_nextn_predict_layers", 0)
     if model_type in MLA_MODEL_TYPES:
-        return MlaModel(name, num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
-                        max_context=need("max_position_embeddings"), kv_lora_rank=need("kv_lora_rank"),
-                        qk_rope_head_dim=need("qk_rope_head_dim", 0), num_mtp_layers=mtp_layers)
+        indexer = {}
+        if model_type in DSA_MODEL_TYPES:
+            indexer = dict(index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"),
+                           index_topk=need("index_topk"),
+                           index_layers=_indexed_layers(cfg, need("num_hidden_layers"), name))
+        sizes = dict(num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
+                     max_context=need("max_position_embeddings"), kv_lora_rank=need("kv_lora_rank"),
+                     qk_rope_head_dim=need("qk_rope_head_dim", 0), num_mtp_layers=mtp_layers, **indexer)
+        try:
+            return MlaModel(name, **sizes)
+        except ValueError as e:  # indexed layers that do not start at layer 0
+            raise ValueError(f"{name}: {e}") from None
     if cfg.get("num_key_value_heads") is not None:
         head_dim = optional("head_dim", 0) or need("hidden_size") // need("num_attention_heads")
         return GqaModel(name, num_layers=need("num_hidden_layers"), num_kv_heads=need("num_key_value_heads"),
@@ -242,6 +337,8 @@ class LayoutPlan:
     max_tokens: int
     session_len: int
     truncated: bool
+    # DSA: the index cache's part of bytes_per_token (INDEX_ROW_BYTES x indexed layers); 0 without DSA
+    index_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,7 +369,16 @@ class MemoryPlan:
             del out["kv_format"]
         out["model"] = dict(asdict(self.model), attention=self.model.attention)
         out.update({name: asdict(lp) for name, lp in self.layouts.items()})
+        if not _is_sparse(self.model):  # a model without DSA: the dict of before DSA existed
+            for key in ("index_n_heads", "index_head_dim", "index_topk", "index_layers"):
+                out["model"].pop(key, None)
+            for name in self.layouts:
+                del out[name]["index_bytes_per_token"]
         return out
+
+
+def _is_sparse(model: Model) -> bool:
+    return model.attention == "mla" and model.sparse
 
 
 def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
@@ -308,21 +414,25 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
     if kv_format is not None:
         per_layer, block_per_layer = _quantized_latent(model, kv_format, cache_dtype, block_size)
     layers = model.num_layers + (model.num_mtp_layers if count_mtp_layers else 0)
+    index_per_token = 0
+    if _is_sparse(model):
+        indexed = len(model.index_layers) + (model.num_mtp_layers if count_mtp_layers else 0)
+        index_per_token = model.index_bytes_per_token_per_layer * indexed
     weights_per_gpu = weights // tp
     free = max(0, gpu - weights_per_gpu - reserved)
     cache = int(free * ratio)
 
     layouts = {}
     for name, layer_bytes in per_layer.items():
-        per_token = layer_bytes * layers
-        per_block = block_per_layer[name] * layers
+        per_token = layer_bytes * layers + index_per_token
+        per_block = block_per_layer[name] * layers + index_per_token * block_size
         blocks = cache // per_block
         max_tokens = blocks * block_size * cp
         layouts[name] = LayoutPlan(
             layout=name, bytes_per_token_per_layer=layer_bytes, num_cached_layers=layers,
             bytes_per_token=per_token, bytes_per_block=per_block, num_blocks=blocks,
             max_tokens=max_tokens, session_len=min(max_tokens, model.max_context),
-            truncated=max_tokens < model.max_context)
+            truncated=max_tokens < model.max_context, index_bytes_per_token=index_per_token)
     return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
                       reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=ratio,
                       block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts,
@@ -362,10 +472,19 @@ def _header(result: MemoryPlan, gpu_label: str, cache: str) -> list:
     """The lines above a plan's table: model, GPU, memory per GPU and the ``cache`` line's text."""
     m = result.model
     heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
-    layers = next(iter(result.layouts.values())).num_cached_layers
-    return [
-        f"model        {m.name}: {m.attention.upper()}, {layers} cached layers, {heads}, "
-        f"max context {m.max_context:,}",
+    first = next(iter(result.layouts.values()))
+    layers = first.num_cached_layers
+    attention = m.attention.upper() + (" + DSA" if _is_sparse(m) else "")
+    lines = [f"model        {m.name}: {attention}, {layers} cached layers, {heads}, max context {m.max_context:,}"]
+    if _is_sparse(m):
+        row = m.index_bytes_per_token_per_layer
+        indexed = first.index_bytes_per_token // row
+        shared = layers - indexed
+        reuse = f" ({shared} reuse the previous one's top-k)" if shared else ""
+        lines.append(f"indexer      {m.index_n_heads} index heads x {m.index_head_dim}, top-k {m.index_topk:,}, "
+                     f"{indexed} indexed layers{reuse}: index cache {row} B/token/layer, "
+                     f"{first.index_bytes_per_token:,} B/token in every layout")
+    return lines + [
         f"GPU          {result.gpu_mem_bytes / GiB:.2f} GiB ({gpu_label}), tp {result.tp}, cp {result.cp}",
         f"memory/GPU   weights {result.weight_bytes_per_gpu / GB:.2f} GB, reserved "
         f"{result.reserved_bytes / GiB:.2f} GiB, free {result.free_bytes / GiB:.2f} GiB, "
@@ -376,11 +495,14 @@ def _header(result: MemoryPlan, gpu_label: str, cache: str) -> list:
 
 
 def _table(first_column: str, named: Sequence[Tuple[str, LayoutPlan]]) -> list:
-    """Aligned rows (name, B/token/layer, ..., session_len) of the layout plans, a header first."""
-    header = (first_column, "B/token/layer", "B/token", "B/block", "blocks", "max tokens", "session_len")
+    """Aligned rows (name, B/token/layer, ..., session_len) of the layout plans, a header first. With an
+    index cache (DSA), an ``index B/token`` column follows B/token/layer, and B/token includes it."""
+    index = any(lp.index_bytes_per_token for _, lp in named)
+    header = (first_column, "B/token/layer", *(("index B/token",) if index else ()), "B/token", "B/block",
+              "blocks", "max tokens", "session_len")
     rows = [header] + [
-        (name, f"{lp.bytes_per_token_per_layer:,}", f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}",
-         f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
+        (name, f"{lp.bytes_per_token_per_layer:,}", *((f"{lp.index_bytes_per_token:,}",) if index else ()),
+         f"{lp.bytes_per_token:,}", f"{lp.bytes_per_block:,}", f"{lp.num_blocks:,}", f"{lp.max_tokens:,}",
          f"{lp.session_len:,}" + (" (truncated)" if lp.truncated else ""))
         for name, lp in named]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -29,6 +29,8 @@ OPS = {
     "tile_copy": "the decode kernels' copy path alone: tiles into a shared-memory ring, by copy mechanism (sm_90; not in the full run)",
     "unequal": "decode on batches of unequal lengths: the length-aware plan vs the uniform split, FlashMLA and the copy floor",
     "sparse": "sparse_attention over top-k indices vs dense decode, the copy floor and FlashMLA's sparse decode",
+    "indexer": "index_scores vs the copy floor, the mma ceiling and torch; a sparse decode step vs dense decode",
+    "index_topk": "index_topk (the indexer's top-2048) vs the copy bandwidth and torch.topk",
 }
 # What ``mla-kv bench`` without an op runs, in this order.
 ALL = ("write", "decode", "gather", "prefill", "expanded", "cp")

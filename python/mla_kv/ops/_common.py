@@ -8,7 +8,7 @@ from typing import Callable, Dict, Optional, TypeVar, cast
 
 import torch
 
-from .._checks import tensor
+from .._checks import integer, tensor
 from .._compiled import _C
 from ..layout import (LATENT_DIM, ROW_DIM, TRAILER_FORMATS, BlockPointerCache, cache_block_size, check_kv_format,
                       check_kv_scale, row_bytes)
@@ -263,6 +263,63 @@ def _index_cache(index_cache):
     """The _C.IndexCache of an index-key cache checked by mla_kv.layout.check_index_cache."""
     return _C.IndexCache(index_cache.data_ptr(), index_cache.shape[0], index_cache.shape[1],
                          index_cache.stride(0))
+
+
+@dataclass(frozen=True)
+class BlockWriteTargets:
+    """Where a block-pointer write puts the packed new tokens, as _check_write_targets checked them."""
+
+    cu_q_lens: torch.Tensor
+    history_lens: torch.Tensor
+    readonly_lens: Optional[torch.Tensor]
+    cp_size: int
+    cp_rank: int
+
+
+def _check_write_targets(batch, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank) -> BlockWriteTargets:
+    """The block-pointer writes' targets (the latent and the index-key writes): TurboMind's cu_q_lens,
+    history_lens and readonly_lens of a batch, and the context-parallel rank."""
+    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
+    _size("cu_q_lens", cu_q_lens, 0, batch + 1)
+    _size("history_lens", history_lens, 0, batch)
+    if readonly_lens is not None:
+        _tensor("readonly_lens", readonly_lens, dims=1, dtype=torch.int32, contiguous=True)
+        _size("readonly_lens", readonly_lens, 0, batch)
+    cp_size = integer("cp_size", cp_size, 1)
+    cp_rank = integer("cp_rank", cp_rank, 0)
+    if cp_rank >= cp_size:
+        raise ValueError(f"cp_rank: must lie in [0, cp_size = {cp_size}), got {cp_rank}")
+    return BlockWriteTargets(cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank)
+
+
+def _validate_write_targets(cu_block_nums, num_block_ptrs, block_seq_len, to: BlockWriteTargets, num_rows) -> None:
+    """validate=True for a block-pointer write: the lengths, and enough blocks for every sequence's rows on
+    this rank (a host sync)."""
+    cu_q, hist = to.cu_q_lens.cpu().long(), to.history_lens.cpu().long()
+    cu_b = cu_block_nums.cpu().long()
+    q_lens = cu_q[1:] - cu_q[:-1]
+    if int(cu_q[0]) != 0 or bool((q_lens < 0).any()):
+        raise ValueError("cu_q_lens: must start at 0 and be non-decreasing")
+    if int(cu_q[-1]) > num_rows:
+        raise ValueError(f"cu_q_lens: {int(cu_q[-1])} tokens but the inputs have {num_rows} rows")
+    if bool((hist < 0).any()):
+        raise ValueError("history_lens: must be >= 0")
+    if to.readonly_lens is not None and bool((to.readonly_lens < 0).any()):
+        raise ValueError("readonly_lens: must be >= 0")
+    # This rank's rows of positions 0 .. history + q_len - 1 (all of them without context parallelism).
+    local = (hist + q_lens - to.cp_rank + to.cp_size - 1).div(to.cp_size, rounding_mode="floor").clamp_min(0)
+    need = (local + block_seq_len - 1) // block_seq_len
+    have = cu_b[1:] - cu_b[:-1]
+    short = (need > have).nonzero()
+    if short.numel():
+        b = int(short[0])
+        rows = "" if to.cp_size == 1 else f" ({int(local[b])} rows on cp rank {to.cp_rank} of {to.cp_size})"
+        raise ValueError(f"cache.cu_block_nums: sequence {b} has {int(have[b])} blocks but history "
+                         f"{int(hist[b])} + {int(q_lens[b])} new tokens{rows} need {int(need[b])}")
+    if int(cu_b[-1]) > num_block_ptrs:
+        raise ValueError(f"cache.cu_block_nums: ends at {int(cu_b[-1])} but block_ptrs has "
+                         f"{num_block_ptrs} entries")
 
 
 # ------------------------------------------------------------------------ attention inputs

@@ -35,6 +35,14 @@ Schemas (``(a!)``: written in place)::
                           SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q,
                           Tensor? readonly_lens=None, *, str rope_style="interleaved", <cache keywords>,
                           SymInt cp_size=1, SymInt cp_rank=0, bool validate=False, str? arch=None) -> ()
+    write_index_keys(Tensor k, Tensor ln_weight, Tensor ln_bias, float eps, Tensor positions, Tensor cos_sin_cache,
+                     Tensor(a!) index_cache, Tensor slot_mapping, Tensor(b!)? q, *, str rope_style="neox",
+                     str? scale_fmt=None, bool validate=False, str? arch=None) -> ()
+    write_index_keys_blocks(Tensor k, Tensor ln_weight, Tensor ln_bias, float eps, Tensor positions,
+                            Tensor cos_sin_cache, Tensor(a!) block_ptrs, Tensor cu_block_nums, SymInt block_seq_len,
+                            SymInt layer_offset_bytes, Tensor cu_q_lens, Tensor history_lens, Tensor(b!)? q,
+                            Tensor? readonly_lens=None, *, str rope_style="neox", str? scale_fmt=None,
+                            SymInt cp_size=1, SymInt cp_rank=0, bool validate=False, str? arch=None) -> ()
     decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float softmax_scale,
            Tensor(a!)? workspace, *, <schedule keywords>, bool validate=False, str? arch=None,
            str? kv_format=None, float? kv_scale=None) -> (Tensor out, Tensor lse)
@@ -71,6 +79,13 @@ Schemas (``(a!)``: written in place)::
                      Tensor cu_kv_lens, Tensor(a!) out, Tensor? starts=None, *, <cache keywords>,
                      bool validate=False, str? arch=None) -> ()
 
+    index_scores(Tensor q, Tensor weights, Tensor index_cache, Tensor block_table, Tensor kv_lens,
+                 SymInt max_kv_len, Tensor? cu_q_lens, Tensor? q_scale, *, SymInt? max_q_len=None,
+                 bool validate=False, str? arch=None) -> Tensor logits
+    index_topk(Tensor logits, Tensor kv_lens, SymInt k, Tensor? cu_q_lens, Tensor? block_table,
+               Tensor(a!)? workspace, *, SymInt? page_size=None, bool validate=False, str? arch=None)
+               -> Tensor indices
+
     <cache keywords>    ScalarType? dtype=None, bool rope_first=True, SymInt? row_stride_bytes=None,
                         str? kv_format=None, float? kv_scale=None
     <schedule keywords> SymInt? num_splits=None, SymInt? tokens_per_split=None, SymInt[]? smem_limits=None,
@@ -91,7 +106,7 @@ Arguments that are not tensors or scalars are flattened:
 What differs from the functions, and why:
 
 * decode / prefill / prefill_expanded / merge_states / expanded_attention return new out and lse tensors and
-  take no ``out`` / ``lse``: a custom op may not return one of its inputs. Under a CUDA graph the results
+  take no ``out`` / ``lse`` (index_scores a new logits tensor, no ``out``): a custom op may not return one of its inputs. Under a CUDA graph the results
   live in the graph's memory pool. prefill_expanded has no block-pointer op (call the function with a
   BlockPointerCache). expanded_attention takes ``smem_limits`` as [per_block, per_sm(, reserved_per_block)]
   bytes, not a class name.
@@ -116,7 +131,11 @@ import torch
 from .._compiled import _C
 from ..gpus import smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache
+from ..layout import IndexBlockPointerCache
 from . import attention as _attention, expanded as _expanded, gather as _gather, write as _write
+from . import index_keys as _index_keys
+from . import indexer as _indexer
+from .index_topk import index_topk as _index_topk  # the package binds its name to the function
 from ._common import TRACED as _TRACED, _check_q, _lse_dtype, _result_tensor, _tensor
 
 Tensor = torch.Tensor
@@ -218,6 +237,28 @@ def fused_write_kv_blocks(kv_a: Tensor, rms_weight: Tensor, eps: float, position
     _write.fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cache, cache, cu_q_lens, history_lens,
                                  rope_style=rope_style, q=q, readonly_lens=readonly_lens, cp_size=cp_size,
                                  cp_rank=cp_rank, validate=validate, arch=arch)
+
+
+def write_index_keys(k: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, positions: Tensor,
+                     cos_sin_cache: Tensor, index_cache: Tensor, slot_mapping: Tensor, q: Optional[Tensor], *,
+                     rope_style: str = "neox", scale_fmt: Optional[str] = None, validate: bool = False,
+                     arch: Optional[str] = None) -> None:
+    """mla_kv.write_index_keys (q positional)."""
+    _index_keys.write_index_keys(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, index_cache, slot_mapping,
+                                 rope_style=rope_style, scale_fmt=scale_fmt, q=q, validate=validate, arch=arch)
+
+
+def write_index_keys_blocks(k: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, positions: Tensor,
+                            cos_sin_cache: Tensor, block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: int,
+                            layer_offset_bytes: int, cu_q_lens: Tensor, history_lens: Tensor, q: Optional[Tensor],
+                            readonly_lens: Optional[Tensor] = None, *, rope_style: str = "neox",
+                            scale_fmt: Optional[str] = None, cp_size: int = 1, cp_rank: int = 0,
+                            validate: bool = False, arch: Optional[str] = None) -> None:
+    """mla_kv.write_index_keys_blocks with the IndexBlockPointerCache flattened (q and readonly_lens positional)."""
+    cache = IndexBlockPointerCache(block_ptrs, cu_block_nums, block_seq_len, layer_offset_bytes)
+    _index_keys.write_index_keys_blocks(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, cache, cu_q_lens,
+                                        history_lens, readonly_lens=readonly_lens, cp_size=cp_size, cp_rank=cp_rank,
+                                        rope_style=rope_style, scale_fmt=scale_fmt, q=q, validate=validate, arch=arch)
 
 
 # ------------------------------------------------------------------------------- attention
@@ -357,6 +398,23 @@ def gather_kv_blocks(block_ptrs: Tensor, cu_block_nums: Tensor, block_seq_len: i
     _gather.gather_kv(cache, None, cu_kv_lens, starts=starts, out=out, validate=validate, arch=arch)
 
 
+# --------------------------------------------------------------------------------- indexer
+def index_scores(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, kv_lens: Tensor,
+                 max_kv_len: int, cu_q_lens: Optional[Tensor], q_scale: Optional[Tensor], *,
+                 max_q_len: Optional[int] = None, validate: bool = False, arch: Optional[str] = None) -> Tensor:
+    """mla_kv.index_scores -> logits [T, max_kv_len] (a new tensor)."""
+    return _indexer.index_scores(q, weights, index_cache, block_table, kv_lens, max_kv_len, cu_q_lens=cu_q_lens,
+                                      max_q_len=max_q_len, q_scale=q_scale, validate=validate, arch=arch)
+
+
+def index_topk(logits: Tensor, kv_lens: Tensor, k: int, cu_q_lens: Optional[Tensor], block_table: Optional[Tensor],
+               workspace: Optional[Tensor], *, page_size: Optional[int] = None, validate: bool = False,
+               arch: Optional[str] = None) -> Tensor:
+    """mla_kv.index_topk -> indices int32 [T, k] (a new tensor; the workspace's counters are left zeroed)."""
+    return _index_topk(logits, kv_lens, k, cu_q_lens=cu_q_lens, block_table=block_table, page_size=page_size,
+                       workspace=workspace, validate=validate, arch=arch)
+
+
 # ------------------------------------------------------------------------ fake implementations
 def _writes_only(*args, **kwargs) -> None:
     """The ops that only write their inputs have no outputs to describe."""
@@ -388,12 +446,24 @@ def _expanded_attention_fake(q, k, v, *args, **kwargs):
     return q.new_empty((*rows, v.shape[2])), q.new_empty(rows, dtype=_lse_dtype(q))
 
 
+def _index_scores_fake(q, weights, index_cache, block_table, kv_lens, max_kv_len, *args, **kwargs):
+    """logits [T, max_kv_len], float32 (float64 for float64 q)."""
+    return q.new_empty((q.shape[0], max_kv_len), dtype=_lse_dtype(q))
+
+
+def _index_topk_fake(logits, kv_lens, k, *args, **kwargs):
+    """indices [T, k], int32."""
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
 # (function, the arguments it writes, its fake)
 _OPS = (
     (write_kv, ("kv_cache",), _writes_only),
     (fused_write_kv, ("kv_cache", "q"), _writes_only),
     (write_kv_blocks, ("block_ptrs",), _writes_only),
     (fused_write_kv_blocks, ("block_ptrs", "q"), _writes_only),
+    (write_index_keys, ("index_cache", "q"), _writes_only),
+    (write_index_keys_blocks, ("block_ptrs", "q"), _writes_only),
     (decode, ("workspace",), _attention_fake(4)),
     (decode_blocks, ("workspace",), _attention_fake(4)),
     (prefill, ("workspace",), _attention_fake(3)),
@@ -405,6 +475,8 @@ _OPS = (
     (expanded_attention, (), _expanded_attention_fake),
     (gather_kv, ("out",), _writes_only),
     (gather_kv_blocks, ("out",), _writes_only),
+    (index_scores, (), _index_scores_fake),
+    (index_topk, ("workspace",), _index_topk_fake),
 )
 
 
@@ -492,6 +564,24 @@ def _traced_fused_write_kv_blocks(kv_a, rms_weight, eps, positions, cos_sin_cach
                                            *block_pointer_args(cache), cu_q_lens, history_lens, q, readonly_lens,
                                            rope_style=rope_style, **block_pointer_kwargs(cache), cp_size=cp_size,
                                            cp_rank=cp_rank, validate=validate, arch=arch)
+
+
+def _traced_write_index_keys(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, index_cache, slot_mapping, *,
+                             rope_style="neox", scale_fmt=None, q=None, validate=False, arch=None):
+    torch.ops.mla_kv.write_index_keys(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, index_cache, slot_mapping,
+                                      q, rope_style=rope_style, scale_fmt=scale_fmt, validate=validate, arch=arch)
+
+
+def _traced_write_index_keys_blocks(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, cache, cu_q_lens,
+                                    history_lens, *, readonly_lens=None, cp_size=1, cp_rank=0, rope_style="neox",
+                                    scale_fmt=None, q=None, validate=False, arch=None):
+    if not isinstance(cache, IndexBlockPointerCache):
+        raise TypeError(f"cache: expected mla_kv.layout.IndexBlockPointerCache, got {type(cache).__name__}")
+    torch.ops.mla_kv.write_index_keys_blocks(k, ln_weight, ln_bias, eps, positions, cos_sin_cache, cache.block_ptrs,
+                                             cache.cu_block_nums, cache.block_seq_len, cache.layer_offset_bytes,
+                                             cu_q_lens, history_lens, q, readonly_lens, rope_style=rope_style,
+                                             scale_fmt=scale_fmt, cp_size=cp_size, cp_rank=cp_rank,
+                                             validate=validate, arch=arch)
 
 
 def _traced_decode(q, kv_cache, block_table, seq_lens, softmax_scale, *, out=None, lse=None, workspace=None,
@@ -592,13 +682,28 @@ def _traced_gather_kv(kv_cache, block_table, cu_kv_lens, *, starts=None, out=Non
     return out
 
 
+def _traced_index_scores(q, weights, index_cache, block_table, kv_lens, max_kv_len, *, cu_q_lens=None, max_q_len=None,
+                         q_scale=None, out=None, validate=False, arch=None):
+    result = torch.ops.mla_kv.index_scores(q, weights, index_cache, block_table, kv_lens, max_kv_len, cu_q_lens,
+                                           q_scale, max_q_len=max_q_len, validate=validate, arch=arch)
+    return _fill("out", out, result)
+
+
+def _traced_index_topk(logits, kv_lens, k, *, cu_q_lens=None, block_table=None, page_size=None, out=None,
+                       workspace=None, validate=False, arch=None):
+    result = torch.ops.mla_kv.index_topk(logits, kv_lens, k, cu_q_lens, block_table, workspace, page_size=page_size,
+                                         validate=validate, arch=arch)
+    return _fill("out", out, result)
+
+
 _TRACED_FORMS = {
     "write_kv": _traced_write_kv, "fused_write_kv": _traced_fused_write_kv,
     "write_kv_blocks": _traced_write_kv_blocks, "fused_write_kv_blocks": _traced_fused_write_kv_blocks,
+    "write_index_keys": _traced_write_index_keys, "write_index_keys_blocks": _traced_write_index_keys_blocks,
     "decode": _traced_decode, "prefill": _traced_prefill, "prefill_expanded": _traced_prefill_expanded,
     "merge_states": _traced_merge_states, "expanded_attention": _traced_expanded_attention,
     "sparse_attention": _traced_sparse_attention,
-    "gather_kv": _traced_gather_kv,
+    "gather_kv": _traced_gather_kv, "index_scores": _traced_index_scores, "index_topk": _traced_index_topk,
 }
 _OP_NAMES = {fn.__name__ for fn, _, _ in _OPS}
 for _name, _route in _TRACED_FORMS.items():

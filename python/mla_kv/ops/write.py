@@ -8,12 +8,13 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._checks import integer, real
+from .._checks import real
 from .._compiled import _C
 from ..layout import LATENT_DIM, ROPE_DIM, ROW_DIM, BlockPointerCache
-from ._common import (_aligned, _blocks_cache, _c_dtype, _check_arch, _check_block_pointer_cache, _check_kv_format,
-                      _check_paged_cache, _check_quantized_paged_cache, _kernel_arch, _paged_cache, _same_device,
-                      _size, _stream, _tensor, traceable)
+from ._common import (BlockWriteTargets, _aligned, _blocks_cache, _c_dtype, _check_arch, _check_block_pointer_cache,
+                      _check_kv_format, _check_paged_cache, _check_quantized_paged_cache, _check_write_targets,
+                      _kernel_arch, _paged_cache, _same_device, _size, _stream, _tensor, _validate_write_targets,
+                      traceable)
 
 _ROPE_STYLES = ("interleaved", "neox")
 
@@ -202,58 +203,9 @@ def fused_write_kv(kv_a: torch.Tensor, rms_weight: torch.Tensor, eps: float, pos
 
 
 # --------------------------------------------------------------------------- block pointers
-@dataclass(frozen=True)
-class BlockWriteTargets:
-    """Where a block-pointer write puts the packed new tokens, as checked by _check_blocks."""
-
-    cu_q_lens: torch.Tensor
-    history_lens: torch.Tensor
-    readonly_lens: Optional[torch.Tensor]
-    cp_size: int
-    cp_rank: int
-
-
 def _check_blocks(cache, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank, dtype) -> BlockWriteTargets:
     _check_block_pointer_cache(cache, dtype)
-    _tensor("cu_q_lens", cu_q_lens, dims=1, dtype=torch.int32, contiguous=True)
-    _tensor("history_lens", history_lens, dims=1, dtype=torch.int32, contiguous=True)
-    _size("cu_q_lens", cu_q_lens, 0, cache.batch + 1)
-    _size("history_lens", history_lens, 0, cache.batch)
-    if readonly_lens is not None:
-        _tensor("readonly_lens", readonly_lens, dims=1, dtype=torch.int32, contiguous=True)
-        _size("readonly_lens", readonly_lens, 0, cache.batch)
-    cp_size = integer("cp_size", cp_size, 1)
-    cp_rank = integer("cp_rank", cp_rank, 0)
-    if cp_rank >= cp_size:
-        raise ValueError(f"cp_rank: must lie in [0, cp_size = {cp_size}), got {cp_rank}")
-    return BlockWriteTargets(cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank)
-
-
-def _validate_blocks(cache, to: BlockWriteTargets, num_rows) -> None:
-    cu_q, hist = to.cu_q_lens.cpu().long(), to.history_lens.cpu().long()
-    cu_b = cache.cu_block_nums.cpu().long()
-    q_lens = cu_q[1:] - cu_q[:-1]
-    if int(cu_q[0]) != 0 or bool((q_lens < 0).any()):
-        raise ValueError("cu_q_lens: must start at 0 and be non-decreasing")
-    if int(cu_q[-1]) > num_rows:
-        raise ValueError(f"cu_q_lens: {int(cu_q[-1])} tokens but the inputs have {num_rows} rows")
-    if bool((hist < 0).any()):
-        raise ValueError("history_lens: must be >= 0")
-    if to.readonly_lens is not None and bool((to.readonly_lens < 0).any()):
-        raise ValueError("readonly_lens: must be >= 0")
-    # This rank's rows of positions 0 .. history + q_len - 1 (all of them without context parallelism).
-    local = (hist + q_lens - to.cp_rank + to.cp_size - 1).div(to.cp_size, rounding_mode="floor").clamp_min(0)
-    need = (local + cache.block_seq_len - 1) // cache.block_seq_len
-    have = cu_b[1:] - cu_b[:-1]
-    short = (need > have).nonzero()
-    if short.numel():
-        b = int(short[0])
-        rows = "" if to.cp_size == 1 else f" ({int(local[b])} rows on cp rank {to.cp_rank} of {to.cp_size})"
-        raise ValueError(f"cache.cu_block_nums: sequence {b} has {int(have[b])} blocks but history "
-                         f"{int(hist[b])} + {int(q_lens[b])} new tokens{rows} need {int(need[b])}")
-    if int(cu_b[-1]) > cache.block_ptrs.shape[0]:
-        raise ValueError(f"cache.cu_block_nums: ends at {int(cu_b[-1])} but block_ptrs has "
-                         f"{cache.block_ptrs.shape[0]} entries")
+    return _check_write_targets(cache.batch, cu_q_lens, history_lens, readonly_lens, cp_size, cp_rank)
 
 
 def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arch) -> None:
@@ -264,7 +216,8 @@ def _write_blocks(kv_c, k_pe, cache, to: BlockWriteTargets, fused, validate, arc
         raise ValueError("cache: block-pointer ops run on CUDA tensors only; on the CPU use "
                          "mla_kv.reference with a layout.BlockPool layer view")
     if validate:
-        _validate_blocks(cache, to, kv_c.shape[0])
+        _validate_write_targets(cache.cu_block_nums, cache.block_ptrs.shape[0], cache.block_seq_len, to,
+                                kv_c.shape[0])
         if fused is not None:
             _validate_positions(fused.positions, kv_c.shape[0], fused.cos_sin_cache)
     tag = _kernel_arch(device, kv_c.dtype, arch)

@@ -10,18 +10,23 @@ merge_states and the block-pool forms), ``gather`` (gather_kv, gather_kv_blocks)
 (the byte layouts of the quantized cache formats: quantize_rows, dequantize_rows, pack_blocks,
 unpack_blocks), ``sparse`` (sparse_attention and its block-pool form: DeepSeek Sparse Attention over
 the rows an index names) and ``expanded`` (prefill_expanded: the expanded-route prefill; expanded_attention:
-its attention over per-head K and V).
+its attention over per-head K and V); ``index_keys`` (write_index_keys and its block-pointer form, with
+index_key_rows, hadamard_128 and quantize_index_keys: the indexer's key cache).
 """
 from .attention import decode, decode_blocks, merge_states, prefill, prefill_blocks
 from .expanded import expanded_attention, prefill_expanded
 from .gather import gather_kv, gather_kv_blocks
+from .indexer import index_scores
+from .index_keys import hadamard_128, index_key_rows, quantize_index_keys, write_index_keys, write_index_keys_blocks
+from .index_topk import index_topk
 from .quant import dequantize_rows, pack_blocks, quantize_rows, unpack_blocks
 from .sparse import sparse_attention, sparse_attention_blocks
 from .write import LATENT_DIM, ROPE_DIM, ROW_DIM, apply_rope, fused_write_kv, rms_norm, write_kv
 
 __all__ = [
     "LATENT_DIM", "ROPE_DIM", "ROW_DIM", "apply_rope", "decode", "decode_blocks", "dequantize_rows",
-    "expanded_attention", "fused_write_kv", "gather_kv", "gather_kv_blocks", "merge_states", "pack_blocks",
+    "expanded_attention", "fused_write_kv", "gather_kv", "gather_kv_blocks", "index_scores", "index_topk", "merge_states", "pack_blocks",
     "prefill", "prefill_blocks", "prefill_expanded", "quantize_rows", "rms_norm", "sparse_attention",
     "sparse_attention_blocks", "unpack_blocks", "write_kv",
+    "hadamard_128", "index_key_rows", "quantize_index_keys", "write_index_keys", "write_index_keys_blocks",
 ]
