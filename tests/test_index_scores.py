@@ -31,7 +31,7 @@ def random_codes(shape, gen, device):
     return torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)  # no NaN codes
 
 
-def index_cache_for(kv_lens, page_size, gen, *, device="cuda", spare=3, stride_pad=0):
+def index_cache_for(kv_lens, page_size, gen, *, device="cuda", spare=3, stride_pad=0, max_kv_len=0):
     """(index_cache, block_table): shuffled pages for each sequence's positions, random codes and scales there,
     NaN codes (and NaN scales) wherever no call may read; table entries past a sequence's pages are outside
     the cache."""
@@ -44,7 +44,7 @@ def index_cache_for(kv_lens, page_size, gen, *, device="cuda", spare=3, stride_p
     nan_scale = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
     storage[:, page_size * layout.INDEX_DIM:page_bytes] = nan_scale.repeat(page_size).to(device)
     perm = torch.randperm(num_blocks, generator=gen).int()
-    width = max(need) + 1
+    width = max(max(need), -(-max_kv_len // page_size)) + 1
     table = torch.full((len(kv_lens), width), num_blocks + 7, dtype=torch.int32)
     used = 0
     for b, n in enumerate(kv_lens):
@@ -107,7 +107,7 @@ def check_scores(got, q, weights, cache, table, kv_lens, max_kv_len, cu_q_lens=N
 
 def run_case(kv_lens, q_lens, heads, page_size, kind, arch, *, decode, max_kv_len=None, stride_pad=0, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    cache, table = index_cache_for(kv_lens, page_size, gen, stride_pad=stride_pad)
+    cache, table = index_cache_for(kv_lens, page_size, gen, stride_pad=stride_pad, max_kv_len=max_kv_len or 0)
     tokens = sum(q_lens)
     q, q_scale = random_queries(tokens, heads, kind, gen)
     weights = (torch.randn(tokens, heads, generator=gen) * 0.1).cuda()
@@ -173,7 +173,7 @@ def test_wider_logits_padded_stride_and_missing_pages(arch):
     logits 0 on its positions), rows past cu_q_lens untouched."""
     gen = torch.Generator().manual_seed(5)
     kv_lens, q_lens, heads = [150, 40], [3, 2], 32
-    cache, table = index_cache_for(kv_lens, 64, gen, stride_pad=48)
+    cache, table = index_cache_for(kv_lens, 64, gen, stride_pad=48, max_kv_len=300)
     table[0, 1] = -3  # positions 64..127 of sequence 0 have no page
     tokens = sum(q_lens) + 2  # two padded rows past cu_q_lens
     q, _ = random_queries(tokens, heads, "fp16", gen)
@@ -190,11 +190,11 @@ def test_wider_logits_padded_stride_and_missing_pages(arch):
 @GPU
 def test_cuda_graph_replay():
     gen = torch.Generator().manual_seed(9)
-    kv_lens, heads = [700, 65, 2000], 64
-    cache, table = index_cache_for(kv_lens, 64, gen)
+    kv_lens, heads = [701, 65, 2007], 64  # the longest lengths the replays take: their keys are written
+    cache, table = index_cache_for(kv_lens, 64, gen, max_kv_len=2048)
     q, _ = random_queries(3, heads, "bf16", gen)
     weights = torch.randn(3, heads, generator=gen).cuda()
-    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([700, 65, 2000], dtype=torch.int32, device="cuda")
     out = torch.full((3, 2048), float("nan"), device="cuda")
     graph = capture_graph(lambda: mla_kv.index_scores(q, weights, cache, table, lens, 2048, out=out))
     for step in range(2):
@@ -210,7 +210,7 @@ def test_cuda_graph_replay():
 @GPU
 def test_validate_catches_device_data():
     gen = torch.Generator().manual_seed(2)
-    cache, table = index_cache_for([100], 64, gen)
+    cache, table = index_cache_for([100], 64, gen, max_kv_len=128)
     q, _ = random_queries(1, 32, "fp16", gen)
     w = torch.ones(1, 32, device="cuda")
     lens = torch.tensor([129], dtype=torch.int32, device="cuda")

@@ -1,5 +1,4 @@
-// Warp-level tensor-core tile per arch tag: C[16x16] (fp32) += A[16x16] * B[16x16] from shared memory
-// (and WarpMmaE4m3: A[16x32] * B[32x16] of e4m3 codes on sm89+).
+// Warp-level tensor-core tile per arch tag: C[16x16] (fp32) += A[16x16] * B[16x16] from shared memory.
 //
 // One shape for every arch keeps the attention kernels arch-free; each tag maps it onto its own
 // instruction: Sm80 two mma.m16n8k16 (fp16/bf16), Sm75 four mma.m16n8k8 (fp16), Sm70 four
@@ -125,47 +124,6 @@ struct WarpMma16<Sm75, __half> : Sm8xFragments<__half> {
       }
     }
   }
-};
-
-// ---------------------------------------------------------------- e4m3 (sm89+)
-// C[16x16] (fp32) += A[16x32] * B[32x16] of e4m3 codes, as two mma.m16n8k32. An 8-bit fragment holds
-// four codes per register where the 16-bit one holds two values, so ldmatrix over 16-byte rows of
-// codes loads it as it loads the 16-bit tile over 8-value rows: the same lanes, k counted in bytes.
-// The accumulators sit as Sm80's.
-struct WarpMmaE4m3 {
-  static constexpr int kK = 32;
-  using FragA = Sm8xFragments<__half>::FragA;
-  using FragB = Sm8xFragments<__half>::FragB;
-  static constexpr int kAccRowLanes = 0b11100;
-  // A stored [m][k] bytes, ld bytes a row: matrices (m 0-7 | 8-15) x (k 0-15 | 16-31).
-  __device__ __forceinline__ static void load_a(FragA& f, const uint8_t* s, int ld, int lane) {
-    const int mat = lane >> 3;
-    Sm8xFragments<__half>::ldmatrix_x4(f.r, reinterpret_cast<const __half*>(s + ((mat & 1) * 8 + (lane & 7)) * ld +
-                                                                             (mat >> 1) * 16));
-  }
-  // B stored [n][k] bytes (the keys' codes as they sit in the cache).
-  __device__ __forceinline__ static void load_b_nk(FragB& f, const uint8_t* s, int ld, int lane) {
-    const int mat = lane >> 3;
-    uint32_t r[4];
-    Sm8xFragments<__half>::ldmatrix_x4(r, reinterpret_cast<const __half*>(s + ((mat >> 1) * 8 + (lane & 7)) * ld +
-                                                                          (mat & 1) * 16));
-    f.r[0][0] = r[0]; f.r[0][1] = r[1]; f.r[1][0] = r[2]; f.r[1][1] = r[3];
-  }
-  __device__ __forceinline__ static void mma(float (&c)[8], const FragA& a, const FragB& b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* d = c + 4 * h;
-      asm volatile(
-          "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));
-    }
-#endif
-  }
-  __device__ __forceinline__ static int acc_row(int lane, int i) { return Sm8xFragments<__half>::acc_row(lane, i); }
-  __device__ __forceinline__ static int acc_col(int lane, int i) { return Sm8xFragments<__half>::acc_col(lane, i); }
 };
 
 // ---------------------------------------------------------------- Sm70

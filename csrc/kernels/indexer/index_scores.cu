@@ -72,10 +72,7 @@ Status invokeIndexScores(const IndexScoresParams& p, const IndexCache& cache, Ar
   switch (tag) {
     case Arch::kSm70: return run(arch::Sm70{});
     case Arch::kSm75: return run(arch::Sm75{});
-    case Arch::kSm90:  // e4m3 q multiplies the codes themselves; 16-bit q takes the Sm80 kernel (no wgmma)
-      if (kind == kQE4m3) return launch_index_scores<arch::Sm90, kQE4m3>(p, cache, tiles, stream);
-      return run(arch::Sm80{});
-    default: return run(arch::Sm80{});
+    default: return run(arch::Sm80{});  // the Sm90 tag too: mma.sync, no wgmma variant
   }
 }
 

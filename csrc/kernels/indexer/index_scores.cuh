@@ -9,9 +9,7 @@
 //   logit = k_scale[s] * sum_r w'[r] * relu(q16[r] . codes16[s]),  w'[r] = w[r] * q_factor[r]
 // where q16 = q / q_factor exactly: q_factor = 1 for fp16 q, the e4m3 scale for e4m3 q, and a power of
 // two that brings the row's amax into [2^14, 2^15) for bf16 q (bf16 values are exact in fp16 within
-// 2^24 of the row's amax). So the products are exact and only the fp32 sums round. On Hopper, e4m3 q
-// multiplies the cached codes as they landed (mma.m16n8k32.e4m3, the Sm90 tag): no widening, half the
-// tensor-core instructions, the same exact products.
+// 2^24 of the row's amax). So the products are exact and only the fp32 sums round.
 // Loads run a tile ahead: cp.async on Sm80+, registers on Volta / Turing.
 // Reference: python/mla_kv/reference/indexer.py (index_scores).
 #pragma once
@@ -35,15 +33,13 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 64;   // query rows per CTA
 constexpr int kTile = 64;   // positions per tile
 constexpr int kPitch = kIndexDim + 8;  // fp16 row pitch in shared memory: 272 B, conflict-free ldmatrix
-constexpr int kCodePitch = kIndexDim + 16;  // a code row's pitch: 144 B, conflict-free ldmatrix too
+constexpr int kCodePitch = kIndexDim + 16;  // a code row's pitch in the cp.async stages: 144 B
 constexpr int kChunksPerTile = kTile * kIndexDim / 16;  // 16-byte pieces of a tile's codes
 
 // Warp layout of tag A: 32 rows x 32 positions where the A fragments of 32 rows fit in registers
 // (Sm75 / Sm80 ldmatrix fragments, 4 registers per 16x16), 16 rows x 64 positions on Volta (8).
-// kFp8: e4m3 q on Hopper multiplies the codes themselves (mma.m16n8k32.e4m3): no widening to fp16.
-template <class A, int kQ>
+template <class A>
 struct Layout {
-  static constexpr bool kFp8 = A::kArch == Arch::kSm90 && kQ == kQE4m3;
   static constexpr int kWarpRows = A::kArch == Arch::kSm70 ? 16 : 32;
   static constexpr int kWarpsM = kRows / kWarpRows;
   static constexpr int kWarpsN = kWarps / kWarpsM;
@@ -75,9 +71,9 @@ template <class A, int kQ>
 __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScoresParams p, const IndexCache cache,
                                                                int tiles_per_cta, int groups) {
   if constexpr (arch::target_supports<A>()) {
-    using L = Layout<A, kQ>;
-    using Mma = std::conditional_t<L::kFp8, arch::WarpMmaE4m3, arch::WarpMma16<A, __half>>;
-    constexpr int kK = L::kFp8 ? 32 : 16;  // the contraction of one Mma tile
+    using L = Layout<A>;
+    using Mma = arch::WarpMma16<A, __half>;
+    constexpr int kK = 16;  // the contraction of one Mma tile
     __shared__ Smem<L::kCpAsync> s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / L::kWarpsN, warp_n = warp % L::kWarpsN;
@@ -138,13 +134,6 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
 #pragma unroll
         for (int i = 0; i < 64; ++i) v[i] = 0.f;
       }
-      if constexpr (L::kFp8) {  // the codes as given, in rows of kCodePitch bytes where the keys go otherwise
-        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(s.keys) + r * kCodePitch + half * 64);
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.q) +
-                                                          t * p.q_stride_token + int64_t(h) * p.q_stride_head) + half * 4;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) dst[c] = live ? src[c] : make_uint4(0, 0, 0, 0);
-      }
       float factor = 1.f;
       if constexpr (kQ == kQBf16) {
         float amax = 0.f;
@@ -153,13 +142,11 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         factor = bf16_row_factor(amax);
       }
-      if constexpr (!L::kFp8) {
-        const float inv = kQ == kQBf16 ? 1.f / factor : 1.f;  // exact: a power of two
-        __half* dst = s.keys + Mma::a_row(r) * kPitch + half * 64;
+      const float inv = kQ == kQBf16 ? 1.f / factor : 1.f;  // exact: a power of two
+      __half* dst = s.keys + Mma::a_row(r) * kPitch + half * 64;
 #pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          *reinterpret_cast<__half2*>(dst + i) = __floats2half2_rn(v[i] * inv, v[i + 1] * inv);
-        }
+      for (int i = 0; i < 64; i += 2) {
+        *reinterpret_cast<__half2*>(dst + i) = __floats2half2_rn(v[i] * inv, v[i + 1] * inv);
       }
       if (half == 0) {
         float w = 0.f;
@@ -177,12 +164,7 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
     for (int m = 0; m < L::kTilesM; ++m) {
 #pragma unroll
       for (int k = 0; k < kIndexDim / kK; ++k) {
-        const int row = warp_m * L::kWarpRows + m * 16;
-        if constexpr (L::kFp8) {
-          Mma::load_a(qa[m][k], reinterpret_cast<const uint8_t*>(s.keys) + row * kCodePitch + k * kK, kCodePitch, lane);
-        } else {
-          Mma::load_a(qa[m][k], s.keys + row * kPitch + k * kK, kPitch, lane);
-        }
+        Mma::load_a(qa[m][k], s.keys + (warp_m * L::kWarpRows + m * 16) * kPitch + k * kK, kPitch, lane);
       }
     }
     float weight[L::kTilesM][8];  // of this lane's accumulator rows
@@ -231,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
     // The landed tile -> fp16 keys; its scales (this thread's, `scale`) -> key_scale[tile & 1].
     auto widen = [&](int tile, float scale) MLA_KV_INLINE_LAMBDA {
 #pragma unroll
-      for (int i = 0; i < (L::kFp8 ? 0 : kPieces); ++i) {
+      for (int i = 0; i < kPieces; ++i) {
         const int c = tid + i * kThreads;
         uint4 w;
         if constexpr (L::kCpAsync) {
@@ -264,8 +246,8 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
       }
     };
 
-    // Per tile: two barriers (one for kFp8). A: the tile's codes have landed (and the last tile's row sums
-    // are complete); B: its fp16 keys are written. The previous tile's logits go out after A, while this
+    // Per tile: two barriers. A: the tile's codes have landed (and the last tile's row sums are complete);
+    // B: its fp16 keys are written. The previous tile's logits go out after A, while this
     // one is widened; the next tile's loads start before the widening (cp.async) or after it (registers
     // it frees).
     issue(0);
@@ -281,19 +263,14 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
         widen(tile, scale);
         if (tile + 1 < tiles) issue(tile + 1);
       }
-      if constexpr (!L::kFp8) __syncthreads();  // B (the codes themselves are the operand after A)
+      __syncthreads();  // B
       float acc[L::kTilesM][L::kTilesN][8] = {};
 #pragma unroll
       for (int k = 0; k < kIndexDim / kK; ++k) {
 #pragma unroll
         for (int n = 0; n < L::kTilesN; ++n) {
           typename Mma::FragB kb;
-          const int col = warp_n * L::kWarpCols + n * 16;
-          if constexpr (L::kFp8) {
-            Mma::load_b_nk(kb, s.codes[tile & 1] + col * kCodePitch + k * kK, kCodePitch, lane);
-          } else {
-            Mma::load_b_nk(kb, s.keys + col * kPitch + k * kK, kPitch, lane);
-          }
+          Mma::load_b_nk(kb, s.keys + (warp_n * L::kWarpCols + n * 16) * kPitch + k * kK, kPitch, lane);
 #pragma unroll
           for (int m = 0; m < L::kTilesM; ++m) Mma::mma(acc[m][n], qa[m][k], kb);
         }

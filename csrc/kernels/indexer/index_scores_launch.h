@@ -1,6 +1,5 @@
 // Declarations of the per-arch index-score launchers; their instantiations live in one .cu per arch tag
-// (index_scores_sm70.cu, index_scores_sm75.cu, index_scores_sm80.cu; index_scores_sm90.cu: e4m3 q only) so the
-// builds run in parallel.
+// (index_scores_sm70.cu, index_scores_sm75.cu, index_scores_sm80.cu) so the builds run in parallel.
 #pragma once
 
 #include "mla_kv/indexer.h"

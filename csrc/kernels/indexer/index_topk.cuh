@@ -310,7 +310,9 @@ __global__ void __launch_bounds__(kThreads) index_topk_kernel(const IndexTopkPar
     __syncthreads();
     if (last_s) {
       __threadfence();
-      for (int w = tid; w < kHistWords; w += kThreads) state[kCounterWords + w] = 0;
+      // Histograms and every split's slot: the others have read the slots before they counted out.
+      const int64_t words = row_state_words(splits) - kCounterWords;
+      for (int64_t w = tid; w < words; w += kThreads) state[kCounterWords + w] = 0;
       if (tid == 0) state[0] = state[1] = 0;
     }
   }
