@@ -568,8 +568,8 @@ MUTATIONS = (
              "const int block = p.block_table[int64_t(seq) * p.block_table_stride + column + 1];", T_INDEX_TOPK,
              "index top-k: a position's slot taken from the next page's block", focus="slots"),
     Mutation("index-topk-histograms-left-dirty", "indexer", ALL, ("index topk", "split"), INDEX_TOPK_CUH,
-             "for (int w = tid; w < kHistWords; w += kThreads) state[kCounterWords + w] = 0;",
-             "for (int w = tid; w < kHistWords / 2; w += kThreads) state[kCounterWords + w] = 0;", T_INDEX_TOPK,
+             "for (int64_t w = tid; w < words; w += kThreads) state[kCounterWords + w] = 0;",
+             "for (int64_t w = tid; w < kHistWords / 2; w += kThreads) state[kCounterWords + w] = 0;", T_INDEX_TOPK,
              "index top-k: a split row's last histograms are not reset, so the next launch (a graph replay) adds "
              "to them", focus="workspace or graph"),
     Mutation("sparse-mask-ignored", "attention", MMA_SYNC, ("sparse", "mask"), MMA_SYNC_CUH,
