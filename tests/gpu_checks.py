@@ -73,6 +73,21 @@ def random_table(need, num_blocks, gen=None, shared_prefix_blocks=0, device="cud
     return table
 
 
+def packed_batch(context, new, block_size):
+    """A packed prefill batch over shuffled blocks: sequence b has context[b] cached positions and new[b] new
+    tokens. -> (table int32 [B, max blocks], cu_q_lens int32 [B + 1], seq [T] (each token's sequence),
+    positions [T], slots [T] int64, num_blocks: the table's blocks plus 2 spare)."""
+    kv = [c + n for c, n in zip(context, new)]
+    need = [max(1, -(-n // block_size)) for n in kv]
+    num_blocks = len(kv) * max(need) + 2
+    table = torch.randperm(num_blocks)[:len(kv) * max(need)].view(len(kv), -1).int()
+    seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
+    cu = torch.tensor([0, *new]).cumsum(0).int()
+    positions = torch.tensor(context)[seq] + torch.arange(len(seq)) - cu[:-1].long()[seq]
+    slots = table[seq, positions // block_size].long() * block_size + positions % block_size
+    return table, cu, seq, positions, slots, num_blocks
+
+
 def sequence_slots(table, lens, block_size, num_blocks):
     """Per sequence, the cache slots of its positions 0 .. len-1 that the table maps into the cache
     (host tensors; positions past the table or on block ids outside the cache are left out)."""

@@ -13,7 +13,7 @@ from mla_kv.layout import BlockPool
 from mla_kv.ops._common import TRACED
 from mla_kv.rope import cos_sin_cache
 
-from gpu_checks import same_bytes
+from gpu_checks import packed_batch, same_bytes
 
 GPU = pytest.mark.gpu
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -122,13 +122,7 @@ def test_compiled_fused_write_decode_with_out_and_lse(device):
 def prefill_inputs(device, context=(7, 0, 20), new=(3, 2, 4), block_size=16, heads=4):
     dtype = dtype_for(device)
     kv = [c + n for c, n in zip(context, new)]
-    need = [max(1, -(-n // block_size)) for n in kv]
-    num_blocks = len(kv) * max(need) + 2
-    table = torch.randperm(num_blocks)[:len(kv) * max(need)].view(len(kv), -1).int()
-    seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
-    cu = torch.tensor([0, *new]).cumsum(0).int()
-    positions = torch.tensor(context)[seq] + torch.arange(len(seq)) - cu[:-1].long()[seq]
-    slots = table[seq, positions // block_size].long() * block_size + positions % block_size
+    table, cu, seq, _, slots, num_blocks = packed_batch(context, new, block_size)
     tokens = len(seq)
     values = dict(kv_c=torch.randn(tokens, 512), k_pe=torch.randn(tokens, 64),
                   cache=torch.randn(num_blocks, block_size, 576), slots=slots, q=torch.randn(tokens, heads, 576),

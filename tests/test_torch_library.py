@@ -22,7 +22,7 @@ from mla_kv.ops import library
 from mla_kv.ops.library import block_pointer_args, block_pointer_kwargs, schedule_kwargs
 from mla_kv.rope import cos_sin_cache
 
-from gpu_checks import block_pointer_copy, capture_graph, check_attention, random_cache, same_bytes
+from gpu_checks import block_pointer_copy, capture_graph, check_attention, packed_batch, random_cache, same_bytes
 
 GPU = pytest.mark.gpu
 # inductor's own imports use torch.jit.script_method, deprecated in torch 2.13
@@ -490,13 +490,7 @@ class PrefillLayer(torch.nn.Module):
 
 def prefill_step_inputs(context=(7, 0, 20), new=(3, 2, 4), block_size=16, hidden=64):
     kv = [c + n for c, n in zip(context, new)]
-    need = [max(1, -(-n // block_size)) for n in kv]
-    num_blocks = len(kv) * max(need) + 2
-    table = torch.randperm(num_blocks)[:len(kv) * max(need)].view(len(kv), -1).int()
-    seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
-    cu = torch.tensor([0, *new]).cumsum(0).int()
-    positions = torch.tensor(context)[seq] + torch.arange(len(seq)) - cu[:-1].long()[seq]
-    slots = table[seq, positions // block_size].long() * block_size + positions % block_size
+    table, cu, seq, positions, slots, num_blocks = packed_batch(context, new, block_size)
     new_mask = (seq[:, None] == seq[None, :]) & (positions[None, :] <= positions[:, None])
     return (torch.randn(len(seq), hidden), torch.randn(num_blocks, block_size, 576), slots, table, cu,
             torch.tensor(kv, dtype=torch.int32), torch.tensor(context, dtype=torch.int32), new_mask)
