@@ -105,3 +105,41 @@ def test_expanded_attention_refuses_what_it_has_no_kernel_for():
         _C.expanded_attention(p, _C.Arch.auto, 0)
     p.head_dim_v, p.batch = 256, 0
     _C.expanded_attention(p, _C.Arch.auto, 0)
+
+
+def index_keys_params(num_tokens=0):
+    p = _C.WriteIndexKeysParams()
+    p.dtype, p.num_tokens = _C.DType.float16, num_tokens  # no token: nothing to launch
+    p.max_position, p.rope_style, p.scale_format = 16, _C.RopeStyle.neox, _C.IndexScaleFormat.raw
+    return p
+
+
+def host_checks_pass(call):
+    """call() got past the entry point's own checks: it returned, or stopped at the arch lookup (no GPU)."""
+    try:
+        call()
+    except RuntimeError as e:
+        assert "invalid argument" not in str(e), e
+
+
+def test_indexer_entry_points_check_on_the_host():
+    """Each indexer entry point refuses a bad size before any launch and takes a good one, on the host alone
+    (a host-side check that ran device code would end the process here)."""
+    good, bad = _C.IndexCache(0, 4, 64, 64 * 132), _C.IndexCache(0, 4, 0, 64 * 132)
+    host_checks_pass(lambda: _C.write_index_keys_paged(index_keys_params(), good, 0, _C.Arch.auto, 0))
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        _C.write_index_keys_paged(index_keys_params(), bad, 0, _C.Arch.auto, 0)
+
+    scores = _C.IndexScoresParams()
+    scores.heads, scores.max_q_len, scores.max_kv_len, scores.logits_stride = 32, 1, 64, 64
+    host_checks_pass(lambda: _C.index_scores(scores, good, _C.Arch.auto, 0))
+    scores.heads = 48
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        _C.index_scores(scores, good, _C.Arch.auto, 0)
+
+    topk = _C.IndexTopkParams()
+    topk.k, topk.max_kv_len, topk.logits_stride, topk.indices_stride = 8, 64, 64, 8
+    host_checks_pass(lambda: _C.index_topk(topk, 0, _C.Arch.auto, 0))
+    topk.k = 0
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        _C.index_topk(topk, 0, _C.Arch.auto, 0)

@@ -14,7 +14,7 @@ import torch
 
 import mla_kv
 from mla_kv import layout, reference
-from mla_kv.reference.indexer import e4m3_values
+from mla_kv.reference.quant import e4m3_values
 
 from gpu_checks import capture_graph
 
@@ -270,7 +270,7 @@ def test_reference_e4m3_queries_equal_their_values():
     gen = torch.Generator().manual_seed(3)
     cache, table = index_cache_for([37], 16, gen, device="cpu")
     codes, scale = random_queries(1, 8, "e4m3", gen, device="cpu")
-    values = e4m3_values(codes) * scale.double()[..., None]
+    values = e4m3_values(codes).double() * scale.double()[..., None]
     w = torch.rand(1, 8, dtype=torch.float64)
     lens = torch.tensor([37])
     a = reference.index_scores(codes, w, cache, table, lens, 40, q_scale=scale)

@@ -45,7 +45,7 @@ struct PagedSlotRows {
   PagedCache cache;
   const int64_t* slot_mapping;
 
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
   // Skipped: padded (negative) or out-of-range slots.
   __device__ __forceinline__ RowSlot slot(int64_t t) const {
     const int64_t slot = slot_mapping[t];
@@ -61,7 +61,7 @@ struct BlockPointerRows {
   BlockPointerCache cache;
   BlockWriteTargets to;
 
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
   __device__ __forceinline__ RowSlot slot(int64_t t) const {
     if (t >= to.cu_q_lens[cache.batch]) return {nullptr, 0};
     const int b = sequence_of(to.cu_q_lens, cache.batch, t);
@@ -118,7 +118,7 @@ struct PagedTableRows {
     return {block_base(b, pos), block_offset(pos, cache.block_size)};
   }
   __device__ __forceinline__ int kv_len(const int* kv_lens, int b) const { return kv_lens[b]; }
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
   static constexpr bool kMasksMissing = false;  // a missing row reads as zeros (attention.h)
 };
 
@@ -139,7 +139,7 @@ struct BlockPointerTableRows {
     return {block_base(b, pos), block_offset(pos, cache.block_seq_len)};
   }
   __device__ __forceinline__ int kv_len(const int* kv_lens, int b) const { return kv_lens[b]; }
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
   static constexpr bool kMasksMissing = false;
 };
 
@@ -170,7 +170,7 @@ struct SparseSlotRows {
     return {static_cast<const char*>(cache.base) + int64_t(block) * cache.block_stride_bytes,
             block_offset(slot, cache.block_size)};
   }
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_size; }
   __device__ __forceinline__ int kv_len(const int* kv_lens, int t) const { return at.kv_len(kv_lens, t); }
   static constexpr bool kMasksMissing = true;
 };
@@ -192,7 +192,7 @@ struct SparseBlockRows {
     return {static_cast<const char*>(cache.block_ptrs[first + i]) + cache.layer_offset_bytes,
             block_offset(pos, cache.block_seq_len)};
   }
-  __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
+  __host__ __device__ __forceinline__ int rows_per_block() const { return cache.block_seq_len; }
   __device__ __forceinline__ int kv_len(const int* kv_lens, int t) const { return at.kv_len(kv_lens, t); }
   static constexpr bool kMasksMissing = true;
 };

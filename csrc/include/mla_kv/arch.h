@@ -15,6 +15,9 @@ enum class Arch : int {
 // Compute capability (major * 10 + minor) of the current device, cached per device.
 int device_compute_capability();
 
+// Streaming multiprocessors of the current device (0 when it cannot be queried), cached per device.
+int device_sm_count();
+
 // Resolves kAuto to the device's best tag; returns kAuto for an explicit tag the device cannot run.
 Arch resolve_arch(Arch requested, int compute_capability);
 

@@ -45,6 +45,17 @@ int device_compute_capability() {
   return cc;
 }
 
+int device_sm_count() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices && cached[dev]) return cached[dev];
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices) cached[dev] = count;
+  return count;
+}
+
 bool tag_has_bf16(Arch tag) {
   switch (tag) {
     case Arch::kSm70: return arch::Sm70::kHasBf16;

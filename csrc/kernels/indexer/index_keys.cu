@@ -24,7 +24,8 @@ int64_t access_bytes(const WriteIndexKeysParams& p, const void* cache_base, int6
 
 template <class Rows>
 Status dispatch(const WriteIndexKeysParams& p, const Rows& rows, int64_t access, Arch arch, cudaStream_t stream) {
-  if (access == 0 || p.num_tokens < 0 || (p.q != nullptr && p.q_heads < 0)) return Status::kInvalidArgument;
+  if (access == 0 || p.num_tokens < 0 || (p.q != nullptr && p.q_heads < 0) || rows.rows_per_block() < 1)
+    return Status::kInvalidArgument;
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
@@ -42,7 +43,6 @@ Status dispatch(const WriteIndexKeysParams& p, const Rows& rows, int64_t access,
 
 Status invokeWriteIndexKeysPaged(const WriteIndexKeysParams& params, const IndexCache& cache,
                                  const int64_t* slot_mapping, Arch arch, cudaStream_t stream) {
-  if (cache.page_size < 1) return Status::kInvalidArgument;
   const PagedCache paged{cache.base, cache.num_blocks, cache.page_size, cache.block_stride_bytes, kIndexRow};
   // One block's stride is never used (a [1, page_size, 132] tensor's need not be a multiple of 16).
   const int64_t access = access_bytes(params, cache.base, cache.num_blocks > 1 ? cache.block_stride_bytes : 0);
@@ -51,7 +51,7 @@ Status invokeWriteIndexKeysPaged(const WriteIndexKeysParams& params, const Index
 
 Status invokeWriteIndexKeysBlocks(const WriteIndexKeysParams& params, const IndexBlockPointerCache& cache,
                                   const BlockWriteTargets& targets, Arch arch, cudaStream_t stream) {
-  if (targets.cp_size < 1 || targets.cp_rank < 0 || targets.cp_rank >= targets.cp_size || cache.block_seq_len < 1)
+  if (targets.cp_size < 1 || targets.cp_rank < 0 || targets.cp_rank >= targets.cp_size)
     return Status::kInvalidArgument;
   // Block base pointers live on the device; they must be 16-byte aligned (allocators give 256).
   const BlockPointerCache blocks{cache.block_ptrs, cache.cu_block_nums, cache.batch, cache.block_seq_len,

@@ -8,27 +8,6 @@
 namespace mla_kv {
 namespace {
 
-constexpr int kMaxDevices = 64;
-
-int device_sm_count() {
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices && cached[dev]) return cached[dev];
-  int count = 0;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices) cached[dev] = count;
-  return count;
-}
-
-bool aligned16(const void* ptr, std::initializer_list<int64_t> byte_strides) {
-  if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
-  for (int64_t s : byte_strides) {
-    if (s % 16) return false;
-  }
-  return true;
-}
-
 // Positions per CTA, in 64-position tiles: few enough that the grid fills the GPU about four CTAs per
 // SM twice over, at least 4 tiles (a CTA's q prologue then costs at most a quarter of its key reads).
 int tiles_per_cta(const IndexScoresParams& p, int sm_count) {
@@ -49,12 +28,13 @@ Status invokeIndexScores(const IndexScoresParams& p, const IndexCache& cache, Ar
     return Status::kInvalidArgument;
   if (cache.page_size < 1 || cache.num_blocks < 0 ||
       (cache.num_blocks > 1 && cache.block_stride_bytes < int64_t(cache.page_size) * kIndexRowBytes) ||
-      !aligned16(cache.base, {cache.block_stride_bytes}))
+      arch::widest_access(8, {cache.base}, {cache.block_stride_bytes}) != 16)
     return Status::kInvalidArgument;
   const bool e4m3 = p.q_scale != nullptr;
   if (!e4m3 && p.q_dtype != DType::kFloat16 && p.q_dtype != DType::kBFloat16) return Status::kUnsupportedDType;
   const int64_t q_elem = e4m3 ? 1 : 2;
-  if (!aligned16(p.q, {p.q_stride_token * q_elem, p.q_stride_head * q_elem})) return Status::kInvalidArgument;
+  if (arch::widest_access(8, {p.q}, {p.q_stride_token * q_elem, p.q_stride_head * q_elem}) != 16)
+    return Status::kInvalidArgument;
   const Arch tag = resolve_arch(arch, device_compute_capability());
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
   if (p.batch == 0 || p.num_tokens == 0) return Status::kOk;

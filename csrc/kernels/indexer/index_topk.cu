@@ -33,9 +33,9 @@ int resident_ctas() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  int sms = 0, cached = 0, streamed = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, index_topk_kernel<true>, kThreads, 0) != cudaSuccess ||
+  const int sms = device_sm_count();
+  int cached = 0, streamed = 0;
+  if (sms == 0 || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, index_topk_kernel<true>, kThreads, 0) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&streamed, index_topk_kernel<false>, kThreads, 0) != cudaSuccess)
     return 0;
   const int ctas = sms * std::min(cached, streamed);

@@ -20,11 +20,7 @@ import torch
 from .._checks import integer, tensor
 from ..layout import INDEX_DIM, check_index_cache, index_cache_parts
 from ._common import _check_cu, _check_index, _check_lengths, _result
-
-
-def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 e4m3 codes (OCP E4M3, torch.float8_e4m3fn) -> float64 values, exactly."""
-    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+from .quant import e4m3_values
 
 
 def query_positions(cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -86,13 +82,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         if tuple(q_scale.shape) != (tokens, heads):
             raise ValueError(f"q_scale: expected shape {(tokens, heads)}, got {tuple(q_scale.shape)}")
         tensor("q", q, dtype=torch.uint8)
-        qf = e4m3_values(q.cpu()) * q_scale.cpu().double()[..., None]
+        qf = e4m3_values(q.cpu().contiguous()).double() * q_scale.cpu().double()[..., None]
     else:
         if not q.dtype.is_floating_point:
             raise TypeError(f"q: expected floating-point values (or uint8 e4m3 codes with q_scale), got {q.dtype}")
         qf = q.detach().cpu().double()
     wf = weights.detach().cpu().double()
-    keys = e4m3_values(codes.cpu()) * scales.cpu().double()[..., None]      # [num_blocks, page_size, 128]
+    keys = e4m3_values(codes.cpu().contiguous()).double() * scales.cpu().double()[..., None]  # [pages, page, 128]
     keys = torch.cat([keys, keys.new_zeros(1, page_size, INDEX_DIM)])        # the zero key of a missing page
 
     logits = torch.full((tokens, max_kv_len), float("-inf"), dtype=torch.float64)
