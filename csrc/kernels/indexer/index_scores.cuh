@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
       const int64_t page = table[pos / cache.page_size];
       if (page < 0 || page >= cache.num_blocks) return 0.f;
       const int64_t offset = pos - (pos / cache.page_size) * cache.page_size;
-      return __ldg(reinterpret_cast<const float*>(static_cast<const uint8_t*>(cache.base) + page * cache.block_stride_bytes +
-                                                  int64_t(cache.page_size) * kIndexDim + offset * 4));
+      const uint8_t* page_base = static_cast<const uint8_t*>(cache.base) + page * cache.block_stride_bytes;
+      return __ldg(reinterpret_cast<const float*>(page_base + int64_t(cache.page_size) * kIndexDim + offset * 4));
     };
     constexpr int kPieces = kChunksPerTile / kThreads;  // per thread and tile
     uint4 staged[L::kCpAsync ? 1 : kPieces];

@@ -9,8 +9,8 @@ from .. import reference
 from .._checks import integer
 from .._compiled import _C
 from ..layout import INDEX_DIM, check_index_cache
-from ._common import (_check_arch, _check_block_table, _check_lens, _index_cache, _kernel_arch, _result_tensor, _same_device,
-                      _stream, _tensor, _validate_table, traceable)
+from ._common import (_check_arch, _check_block_table, _check_lens, _index_cache, _kernel_arch, _result_tensor,
+                      _same_device, _stream, _tensor, _validate_table, traceable)
 
 INDEX_HEADS = (16, 32, 64)  # index heads one launch scores (DeepSeek-V3.2: 64, GLM-5.x: 32)
 
@@ -19,7 +19,8 @@ INDEX_HEADS = (16, 32, 64)  # index heads one launch scores (DeepSeek-V3.2: 64, 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                  kv_lens: torch.Tensor, max_kv_len: int, *, cu_q_lens: Optional[torch.Tensor] = None,
                  max_q_len: Optional[int] = None, q_scale: Optional[torch.Tensor] = None,
-                 out: Optional[torch.Tensor] = None, validate: bool = False, arch: Optional[str] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, validate: bool = False,
+                 arch: Optional[str] = None) -> torch.Tensor:
     """The indexer's logits of every query token over its sequence's past -> float32 [T, max_kv_len].
 
     logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s]) for the positions s <= p_t token t sees, -inf
@@ -29,8 +30,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     values, or uint8 e4m3 codes with q_scale float32 [T, H] (value = code * scale, the model's quantized
     index queries); weights float32 [T, H] (the model's head weights with its scaling folded in);
     index_cache uint8 [num_blocks, page_size, 132] (mla_kv.layout.check_index_cache); block_table int32
-    [B, max_blocks], max_blocks * page_size >= max_kv_len; kv_lens int32 [B]; max_kv_len >= every kv_len (the logits' width, fixed for CUDA graphs);
-    max_q_len >= every q_len_b, needed with cu_q_lens (it sizes the grid). Rows past cu_q_lens[B] are not
+    [B, max_blocks], max_blocks * page_size >= max_kv_len; kv_lens int32 [B]; max_kv_len >= every kv_len (the
+    logits' width, fixed for CUDA graphs); max_q_len >= every q_len_b, needed with cu_q_lens (it sizes the grid). Rows past cu_q_lens[B] are not
     written. A page id outside the cache reads as a zero key; ``validate=True`` checks the lengths and the
     table's coverage instead (a host sync). ``arch`` forces a kernel variant ("sm70", "sm75", "sm80", "sm90";
     every variant takes bf16 q). Reference: mla_kv.reference.index_scores.
