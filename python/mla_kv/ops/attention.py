@@ -14,10 +14,10 @@ from .._checks import integer, real
 from .._compiled import _C
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache, check_kv_format
-from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_arch, _check_attention_inputs,
-                      _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch,
-                      _paged_cache, _result_tensor, _same_device, _size, _stream, _tensor, _validate_table,
-                      traceable)
+from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _c_format, _check_arch,
+                      _check_attention_inputs, _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype,
+                      _packed_batch, _paged_cache, _result_tensor, _same_device, _size, _stream, _tensor,
+                      _validate_table, traceable)
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,17 @@ def _plan_sizes(batch, q_len, heads, total, packed, limits, tile_loads, kv_forma
     p.tile_loads = getattr(_C.TileLoads, _TILE_LOADS[tile_loads])
     fmt = _C.KvFormat.none if kv_format is None else getattr(_C.KvFormat, kv_format)
     return _C.attention_plan_sizes(p, fmt, tag, _sm_count(device.index))
+
+
+def _attention_launch(params, rows: str, c_cache, kv_format, tag, device, limits: Optional[SmemLimits]):
+    """What the launch will run: the C++ dispatch room's one answer (_C.attention_launch: kernel, tiles,
+    tile loads, the splits' merge) for this launch over ``c_cache`` (a _C.PagedCache or BlockPointerCache).
+    Raises when no tile configuration of the variant fits the shared memory it may use."""
+    kind = getattr(_C.CacheRows, rows)
+    paged = c_cache if kind == _C.CacheRows.paged_table else None
+    launch = _C.attention_launch(params, kind, _c_format(kv_format, None)[0], paged, tag)
+    _check_tiles(launch.tiles, tag, device, limits)
+    return launch
 
 
 def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
@@ -291,16 +302,19 @@ def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, 
         params.plan, params.plan_sizes = workspace.data_ptr(), plan_sizes
         params.workspace = workspace.data_ptr() + schedule.plan_bytes
     tag = _kernel_arch(q.device, q.dtype, arch)
-    _check_tiles(_C.attention_launch_tiles(params, tag), tag, q.device, limits)
+    blocks = isinstance(cache, BlockPointerCache)
+    c_cache = _blocks_cache(cache) if blocks else _paged_cache(cache, source.kv_format, source.kv_scale,
+                                                               source.block_size)
+    _attention_launch(params, "block_pointers" if blocks else "paged_table", c_cache, source.kv_format, tag,
+                      q.device, limits)
     with torch.cuda.device(q.device):
         if plan_sizes is not None and plan is None:
             _C.attention_plan(params, _stream(q.device))
-        if isinstance(cache, BlockPointerCache):
-            _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
+        if blocks:
+            _C.attention_blocks(params, c_cache, tag, _stream(q.device))
         else:
-            _C.attention_paged(params, _paged_cache(cache, source.kv_format, source.kv_scale, source.block_size),
-                               block_table.data_ptr(), block_table.stride(0), block_table.shape[1], tag,
-                               _stream(q.device))
+            _C.attention_paged(params, c_cache, block_table.data_ptr(), block_table.stride(0), block_table.shape[1],
+                               tag, _stream(q.device))
 
 
 def _reference_format(source: CacheSource) -> dict:
@@ -650,12 +664,14 @@ def sparse_attention(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointer
                                causal=False, scale=softmax_scale, schedule=schedule)
     params.workspace = 0 if ws is None else ws.data_ptr()
     tag = _kernel_arch(device, q.dtype, arch)
-    _check_tiles(_C.attention_launch_tiles(params, tag), tag, device, schedule.smem_limits)
+    c_cache = _blocks_cache(kv_cache) if blocks else _paged_cache(kv_cache, source.kv_format, source.kv_scale,
+                                                                  source.block_size)
+    _attention_launch(params, "sparse_blocks" if blocks else "sparse_slots", c_cache, source.kv_format, tag, device,
+                      schedule.smem_limits)
     with torch.cuda.device(device):
         if blocks:
-            _C.sparse_attention_blocks(params, _blocks_cache(kv_cache), indices.data_ptr(), indices.stride(0), topk,
+            _C.sparse_attention_blocks(params, c_cache, indices.data_ptr(), indices.stride(0), topk,
                                        cu_q_lens.data_ptr(), tag, _stream(device))
         else:
-            _C.sparse_attention(params, _paged_cache(kv_cache, source.kv_format, source.kv_scale, source.block_size),
-                                indices.data_ptr(), indices.stride(0), topk, tag, _stream(device))
+            _C.sparse_attention(params, c_cache, indices.data_ptr(), indices.stride(0), topk, tag, _stream(device))
     return out, lse
