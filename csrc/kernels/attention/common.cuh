@@ -1,4 +1,4 @@
-// What every attention kernel shares (the mma.sync kernel of mma_sync.cuh and the Hopper kernel of
+// What every attention kernel shares (the mma.sync kernel of attention_mma_sync.cuh and the Hopper kernel of
 // attention_sm90.cuh): which sequence, rows and kv range a CTA owns, the kv limit of a row under the
 // causal mask, the online-softmax pieces, and the query-row addressing; and the per-tile Q.K^T, softmax
 // and P.V of the mma.sync kernels, which the expanded-form kernel (../expanded/expanded_attention.cuh)
@@ -133,7 +133,7 @@ __device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
   return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);
 }
 
-// ---- One KV tile's Q.K^T, softmax and P.V in the mma.sync kernels (mma_sync.cuh, expanded_attention.cuh)
+// ---- One KV tile's Q.K^T, softmax and P.V in the mma.sync kernels (attention_mma_sync.cuh, expanded_attention.cuh)
 // The tile's scores wait in shared memory as kSplitK partial kBlockM x kBlockN fp32 tiles, one per slice
 // of the Q.K^T contraction (partial s from row s * kBlockM, kScorePitch floats a row); P goes back as the
 // P.V product's 16-bit A operand (row r at Mma::a_row(r), kProbPitch elements a row). Softmax ownership:
