@@ -254,11 +254,10 @@ def _plan_workspace(workspace, schedule: AttentionSchedule, device, plan_sizes, 
     return _workspace_tensor(workspace, schedule, device)
 
 
-def _launch_plan_sizes(schedule, q, *, batch, q_len, total, packed, kv_format, arch):
-    """The plan sizes a launch needs (None for a uniform schedule)."""
+def _launch_plan_sizes(schedule, q, *, batch, q_len, total, packed, kv_format, tag):
+    """The plan sizes a launch on ``tag`` (a resolved _C.Arch) needs (None for a uniform schedule)."""
     if schedule.split != "lengths":
         return None
-    tag = _kernel_arch(q.device, q.dtype, arch)
     return _plan_sizes(batch, q_len, q.shape[-2], total, packed, schedule.smem_limits, schedule.tile_loads,
                        kv_format, tag, q.device)
 
@@ -291,7 +290,7 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     return p
 
 
-def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, workspace,
+def _launch_attention(q, params, cache, source: CacheSource, block_table, tag, workspace,
                       limits: Optional[SmemLimits], schedule: AttentionSchedule, plan_sizes=None,
                       plan: Optional[AttentionPlan] = None):
     """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
@@ -301,7 +300,6 @@ def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, 
     if plan_sizes is not None:
         params.plan, params.plan_sizes = workspace.data_ptr(), plan_sizes
         params.workspace = workspace.data_ptr() + schedule.plan_bytes
-    tag = _kernel_arch(q.device, q.dtype, arch)
     blocks = isinstance(cache, BlockPointerCache)
     c_cache = _blocks_cache(cache) if blocks else _paged_cache(cache, source.kv_format, source.kv_scale,
                                                                source.block_size)
@@ -384,13 +382,14 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
               else block_table.shape[1] * source.block_size)
     if schedule is None:
         schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch, kv_format=source.kv_format)
+    tag = _kernel_arch(q.device, q.dtype, arch)
     sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=s_q, total=batch * s_q, packed=False,
-                               kv_format=source.kv_format, arch=arch)
+                               kv_format=source.kv_format, tag=tag)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=batch * s_q, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
+    _launch_attention(q, params, kv_cache, source, block_table, tag, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
 
 
@@ -502,13 +501,14 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
     if schedule is None:
         schedule = attention_schedule(batch, q_len, heads, max_kv, total_q_tokens=tokens, device=device, arch=arch,
                                       kv_format=source.kv_format)
+    tag = _kernel_arch(q.device, q.dtype, arch)
     sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=q_len, total=tokens, packed=True,
-                               kv_format=source.kv_format, arch=arch)
+                               kv_format=source.kv_format, tag=tag)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=tokens, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
+    _launch_attention(q, params, kv_cache, source, block_table, tag, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
 
 
