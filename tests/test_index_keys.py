@@ -18,6 +18,7 @@ import torch
 
 import mla_kv
 from mla_kv import layout, reference
+from mla_kv.reference import index_keys as index_keys_reference
 from mla_kv.layout import IndexBlockPointerCache, index_cache_shape
 from mla_kv.rope import cos_sin_cache
 
@@ -185,6 +186,22 @@ def test_reference_bytes_are_the_layout(scale_fmt, rope_style, page_size):
     q_want = reference.hadamard_128(torch.cat([reference.apply_rope(q_before[ok].float()[..., :64], positions[ok], cs,
                                                                     rope_style), q_before[ok].float()[..., 64:]], -1))
     assert same_bytes(q[ok], q_want.to(q.dtype)) and same_bytes(q[~ok], q_before[~ok])
+
+
+def test_layer_norm_root_is_correctly_rounded():
+    """The kernels take IEEE's float32 root (__fsqrt_rn) and divide by it; so must the reference, whose
+    values and scales the GPU tests compare bit for bit (torch's float32 sqrt on the CPU is not IEEE's)."""
+    gen = torch.Generator().manual_seed(11)
+    k = (torch.randn(4000, 128, generator=gen) * torch.rand(4000, 1, generator=gen) * 50).to(torch.bfloat16)
+    weight, bias = torch.rand(128, generator=gen) + 0.5, torch.randn(128, generator=gen) * 0.1
+    got = index_keys_reference._layer_norm(k, weight, bias, 1e-6).numpy()
+    x = k.float()
+    n = np.float32(1 / 128)
+    d = (x - (index_keys_reference._row_sum(x) * float(n))[:, None]).numpy()
+    var = index_keys_reference._row_sum(torch.from_numpy(d * d)).numpy() * n
+    rstd = np.float32(1) / np.sqrt(var + np.float32(1e-6))
+    want = d * rstd[:, None] * weight.numpy() + bias.numpy()
+    assert np.array_equal(got, want)
 
 
 def test_quantize_index_keys_scales():

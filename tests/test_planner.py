@@ -482,3 +482,82 @@ def test_bad_dsa_configs(tmp_path, extra, message):
     config.update(extra)
     with pytest.raises(ValueError, match=message):
         load_model(str(_write(tmp_path, config)))
+
+
+# ---- DeepSeek-V4: window rings, compressed entries, index keys, compressor states ------------------------------
+V4_FLASH = planner.MODELS["deepseek-v4-flash"]
+V4_PRO = planner.MODELS["deepseek-v4-pro"]
+
+
+def test_v4_presets_layer_types():
+    assert (V4_FLASH.num_layers, V4_FLASH.num_heads, V4_FLASH.index_topk) == (43, 64, 512)
+    assert [V4_FLASH.count(t) for t in ("window", "csa", "hca")] == [2, 21, 20]
+    assert (V4_PRO.num_layers, V4_PRO.num_heads, V4_PRO.index_topk) == (61, 128, 1024)
+    assert [V4_PRO.count(t) for t in ("window", "csa", "hca")] == [0, 30, 31]
+    for m in (V4_FLASH, V4_PRO):
+        assert (m.window, m.csa_ratio, m.hca_ratio, m.index_n_heads, m.index_head_dim) == (128, 4, 128, 64, 128)
+    assert planner.index_source_layers(V4_FLASH)[:4] == [None, None, 2, None]
+
+
+@pytest.mark.parametrize("kv_format, cache_dtype, page", [
+    (None, "bf16", 64 * 1_024), (None, "fp16", 64 * 1_024),
+    ("v4_fp8", "bf16", 65 * 576),          # 64 x 584 = 37,376 B padded up to a multiple of 576
+    ("v4_mxfp8", "bf16", 64 * 528),        # 33,792 = 66 x 512: no padding
+])
+def test_v4_layer_bytes(kv_format, cache_dtype, page):
+    csa = planner.v4_layer_bytes(V4_FLASH, "csa", kv_format, cache_dtype, block_size=64)
+    hca = planner.v4_layer_bytes(V4_FLASH, "hca", kv_format, cache_dtype, block_size=64)
+    window = planner.v4_layer_bytes(V4_FLASH, "window", kv_format, cache_dtype, block_size=64)
+    for lb in (csa, hca, window):
+        assert lb.window_bytes == 2 * page                             # the 128-token ring: 2 pages of 64
+    assert (csa.ratio, csa.page_bytes, csa.index_page_bytes) == (4, page, 64 * 132)
+    assert (hca.ratio, hca.page_bytes, hca.index_page_bytes) == (128, page, 0)
+    assert (window.ratio, window.page_bytes, window.state_bytes) == (0, 0, 0)
+    # fp32 kv and gate of the open window (CSA: 2 series + the previous window's first series), CSA's indexer too
+    assert csa.state_bytes == 2 * 4 * (1_024 + 512) * 4 + 2 * 4 * (256 + 128) * 4 == 61_440
+    assert hca.state_bytes == 2 * 128 * 512 * 4 == 524_288
+
+
+def test_v4_flash_plan_by_hand():
+    p = plan(V4_FLASH, 80 * GIB, 160e9, tp=2, kv_format="v4_fp8")
+    lp = p.layouts["latent"]
+    page = 65 * 576
+    # a block spans 64 x 128 = 8,192 tokens: 32 pages of entries and of index keys per CSA layer, 1 per HCA layer
+    per_block = 21 * 32 * (page + 64 * 132) + 20 * page
+    assert (lp.tokens_per_block, lp.bytes_per_block) == (8_192, per_block) == (8_192, 31_585_536)
+    assert lp.index_bytes_per_token == 21 * 132 // 4 == 693
+    assert lp.bytes_per_token == -(-per_block // 8_192) == 3_856        # the notes' ~3.8 KiB per token
+    assert lp.sequence_bytes == 43 * 2 * page + 21 * 61_440 + 20 * 524_288
+    free = 80 * GIB - 80_000_000_000 - 2 * GIB
+    assert p.free_bytes == free and p.cache_bytes == int(free * 0.8)
+    assert lp.num_blocks == (p.cache_bytes - lp.sequence_bytes) // per_block
+    assert lp.max_tokens == lp.num_blocks * 8_192 and lp.truncated == (lp.max_tokens < 1_048_576)
+
+
+def test_v4_formats_mtp_and_errors():
+    plans = planner.plan_kv_formats(V4_PRO, 141 * GIB, 865e9, tp=8, cache_dtype="bf16")
+    assert [q.kv_format for q in plans] == [None, "v4_fp8", "v4_mxfp8"]
+    tokens = [q.layouts["latent"].max_tokens for q in plans]
+    assert tokens[0] < tokens[1] < tokens[2]                              # 1,024 > 584 > 528 B rows
+    plain = plan(V4_PRO, 141 * GIB, 865e9, tp=8, cache_dtype="bf16").layouts["latent"]
+    with_mtp = plan(V4_PRO, 141 * GIB, 865e9, tp=8, cache_dtype="bf16", count_mtp_layers=True).layouts["latent"]
+    assert with_mtp.num_cached_layers == 62 and with_mtp.bytes_per_block == plain.bytes_per_block
+    assert with_mtp.sequence_bytes == plain.sequence_bytes + 2 * 64 * 1_024   # one more window ring
+    with pytest.raises(ValueError, match="^kv_format"):
+        plan(V4_FLASH, 80 * GIB, 1e9, kv_format="fp8")
+    with pytest.raises(ValueError, match="^cache_dtype"):
+        plan(V4_FLASH, 80 * GIB, 1e9, cache_dtype="fp32")
+    with pytest.raises(ValueError, match="^tp"):
+        plan(V4_FLASH, 80 * GIB, 1e9, tp=3)
+    with pytest.raises(ValueError, match="layer_types"):
+        planner.V4Model("x", num_heads=1, max_context=1, layer_types=("mla",))
+
+
+def test_v4_json_and_table():
+    p = plan(V4_FLASH, 80 * GIB, 160e9, tp=2)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["model"]["attention"] == "v4" and d["model"]["layer_types"][:3] == ["window", "window", "csa"]
+    assert d["latent"]["sequence_bytes"] == p.layouts["latent"].sequence_bytes > 0
+    assert "sequence_bytes" not in plan(GLM, 32 * GIB, 18.4e9).to_dict()["latent"]   # others' JSON unchanged
+    table = planner.format_plan(p, "h100")
+    assert "2 window-only, 21 CSA" in table and "8,192 tokens" in table and "expanded" not in table

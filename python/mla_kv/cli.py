@@ -106,7 +106,8 @@ def _integer(minimum: int, maximum: Optional[int] = None):
 _positive_int = _integer(1)
 
 # --kv-format spellings: "16bit" (or "none") is kv_format None, the unquantized row in --dtype.
-_KV_FORMATS = {"16bit": None, "none": None, **{f: f for f in layout.KV_FORMATS if f is not None}}
+_KV_FORMATS = {"16bit": None, "none": None,
+               **{f: f for f in (*layout.KV_FORMATS, *planner.V4_KV_FORMATS) if f is not None}}
 # torch.Generator.manual_seed takes [-2^63, 2^64 - 1]; the demo seeds with seed and seed + 1
 _seed = _integer(-2 ** 63, 2 ** 64 - 2)
 

@@ -416,3 +416,143 @@ def block_table_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_s
         pos = torch.arange(int(lens[b]))
         out.append(bt[b, pos // block_size] * block_size + pos % block_size)
     return out
+
+
+# ------------------------------------------------------------------------------------- DeepSeek-V4 caches
+# DeepSeek-V4 keeps one 512-wide row per token and layer, [NoPE (448) | RoPE (64)], that is both key and value
+# (byte layouts: mla_kv.reference.v4_cache, the spec of each). One layer's cache, by row format:
+#   "bf16" / "fp16"  plain rows [num_blocks, page_size, 512] of that dtype
+#   "v4_fp8"         FlashMLA "MODEL1", 584 B a token. A page: page_size x 576 B values [448 e4m3 NoPE | 64 bf16
+#                    RoPE], then page_size x 8 B [7 UE8M0 scales | 1 pad byte], padded up to a multiple of 576 B
+#   "v4_mxfp8"       V4.1 MXFP8, 528 B a token. A page: page_size x 512 e4m3 (all dims), then page_size x 16
+#                    UE8M0 scales (one per 32 dims), padded up to a multiple of 512 B
+# A quantized cache is uint8 [num_blocks, page_bytes]; slot = block * page_size + offset in every format.
+V4_DIM = 512
+V4_NOPE_DIM = 448
+V4_ROPE_DIM = V4_DIM - V4_NOPE_DIM
+V4_FORMATS = ("bf16", "fp16", "v4_fp8", "v4_mxfp8")
+V4_PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Per quantized format: (value bytes, scale bytes, scales used, dims per scale, page alignment) of one token.
+_V4_ROW = {"v4_fp8": (V4_NOPE_DIM + 2 * V4_ROPE_DIM, 8, 7, 64, 576), "v4_mxfp8": (V4_DIM, 16, 16, 32, 512)}
+
+
+def check_v4_format(fmt, name: str = "fmt") -> str:
+    if fmt not in V4_FORMATS:
+        raise ValueError(f"{name}: one of {', '.join(map(repr, V4_FORMATS))}, got {fmt!r}")
+    return fmt
+
+
+def v4_value_bytes(fmt: str) -> int:
+    """Bytes of one token's values in a quantized V4 format's page: 576 (v4_fp8), 512 (v4_mxfp8)."""
+    return _v4_row(fmt)[0]
+
+
+def v4_scale_bytes(fmt: str) -> int:
+    """Bytes of one token's scale record: 8 (v4_fp8: 7 UE8M0 scales and a pad byte), 16 (v4_mxfp8)."""
+    return _v4_row(fmt)[1]
+
+
+def v4_scale_count(fmt: str) -> int:
+    """UE8M0 scales of one token: 7 (v4_fp8, one per 64 NoPE dims), 16 (v4_mxfp8, one per 32 dims)."""
+    return _v4_row(fmt)[2]
+
+
+def v4_scale_group(fmt: str) -> int:
+    """Consecutive dims one scale covers: 64 (v4_fp8, NoPE only), 32 (v4_mxfp8, all 512)."""
+    return _v4_row(fmt)[3]
+
+
+def _v4_row(fmt: str) -> tuple:
+    check_v4_format(fmt)
+    if fmt not in _V4_ROW:
+        raise ValueError(f"fmt: {fmt!r} is a plain (unquantized) V4 format; quantized ones are "
+                         f"{', '.join(map(repr, _V4_ROW))}")
+    return _V4_ROW[fmt]
+
+
+def v4_bytes_per_token(fmt: str) -> int:
+    """Bytes one token takes before a page's padding: 1,024 (bf16 / fp16), 584 (v4_fp8), 528 (v4_mxfp8)."""
+    check_v4_format(fmt)
+    if fmt in V4_PLAIN_DTYPES:
+        return V4_DIM * 2
+    return v4_value_bytes(fmt) + v4_scale_bytes(fmt)
+
+
+def v4_page_bytes(page_size: int, fmt: str) -> int:
+    """Bytes of one page of page_size tokens: page_size x 1,024 for bf16 / fp16; for the quantized formats
+    page_size x bytes per token rounded up to a multiple of 576 (v4_fp8) or 512 (v4_mxfp8)."""
+    page_size = _checks.integer("page_size", page_size, 1)
+    check_v4_format(fmt)
+    if fmt in V4_PLAIN_DTYPES:
+        return page_size * V4_DIM * 2
+    align = _V4_ROW[fmt][4]
+    return -(-page_size * v4_bytes_per_token(fmt) // align) * align
+
+
+def v4_cache_shape(num_blocks: int, page_size: int, fmt: str) -> tuple:
+    """One layer's V4 cache shape: [num_blocks, page_size, 512] (bf16 / fp16), uint8 [num_blocks, page_bytes]
+    (v4_fp8, v4_mxfp8)."""
+    num_blocks = _checks.integer("num_blocks", num_blocks, 1)
+    page_size = _checks.integer("page_size", page_size, 1)
+    if check_v4_format(fmt) in V4_PLAIN_DTYPES:
+        return (num_blocks, page_size, V4_DIM)
+    return (num_blocks, v4_page_bytes(page_size, fmt))
+
+
+def _v4_page_size_of(page_bytes: int, fmt: str) -> Optional[int]:
+    """The page size whose padded page is page_bytes long, or None (the padded size grows strictly with it)."""
+    guess = max(1, page_bytes // v4_bytes_per_token(fmt))
+    for page_size in range(max(1, guess - 2), guess + 3):
+        if v4_page_bytes(page_size, fmt) == page_bytes:
+            return page_size
+    return None
+
+
+def check_v4_cache(cache, fmt: str, page_size: Optional[int] = None, name: str = "cache") -> int:
+    """Checks one layer's V4 cache in row format fmt and returns its page size. bf16 / fp16: a [num_blocks,
+    page_size, 512] tensor of that dtype, each page contiguous. v4_fp8 / v4_mxfp8: uint8 [num_blocks,
+    page_bytes] (page_bytes = v4_page_bytes(page_size, fmt), which fixes page_size), each page contiguous,
+    the block stride >= a page and a multiple of 16 bytes. page_size, when given, must match."""
+    check_v4_format(fmt)
+    if fmt in V4_PLAIN_DTYPES:
+        _checks.tensor(name, cache, dtype=V4_PLAIN_DTYPES[fmt])
+        if cache.dim() != 3 or cache.shape[2] != V4_DIM:
+            raise ValueError(f"{name}: {fmt} is [num_blocks, page_size, {V4_DIM}], got {tuple(cache.shape)}")
+        found = cache.shape[1]
+        if cache.stride(2) != 1 or (found > 1 and cache.stride(1) != V4_DIM):
+            raise ValueError(f"{name}: each page must be contiguous (strides {cache.stride()})")
+    else:
+        _checks.tensor(name, cache, dtype=torch.uint8)
+        if cache.dim() != 2:
+            raise ValueError(f"{name}: {fmt} is uint8 [num_blocks, page_bytes], got {tuple(cache.shape)}")
+        found = _v4_page_size_of(cache.shape[1], fmt)
+        if found is None:
+            raise ValueError(f"{name}: {cache.shape[1]} bytes a page is no {fmt} page (page_size tokens x "
+                             f"{v4_bytes_per_token(fmt)} B, padded up to a multiple of {_V4_ROW[fmt][4]})")
+        if cache.stride(1) != 1:
+            raise ValueError(f"{name}: each page must be contiguous (strides {cache.stride()})")
+        stride = cache.stride(0)
+        if cache.shape[0] > 1 and (stride < cache.shape[1] or stride % 16):
+            raise ValueError(f"{name}: the block stride ({stride} B) must be >= a page ({cache.shape[1]} B) and a "
+                             "multiple of 16")
+    if cache.device.type == "cuda" and cache.data_ptr() % 16:
+        raise ValueError(f"{name}: its data pointer must be 16-byte aligned")
+    if page_size is not None and _checks.integer("page_size", page_size, 1) != found:
+        raise ValueError(f"page_size: {page_size} does not match {name}'s pages ({found} tokens of {fmt})")
+    return found
+
+
+def v4_cache_parts(cache: torch.Tensor, page_size: int, fmt: str):
+    """(values, scales) of a quantized V4 cache, both uint8 views of its pages: values [num_blocks,
+    page_size, 576] (v4_fp8: 448 e4m3 then 64 bf16 as bytes) or [num_blocks, page_size, 512] (v4_mxfp8: e4m3);
+    scales [num_blocks, page_size, 7] (v4_fp8; the pad byte after each token's 7 is left out) or
+    [num_blocks, page_size, 16] (v4_mxfp8), UE8M0 bytes e standing for 2^(e - 127)."""
+    _v4_row(fmt)
+    page_size = check_v4_cache(cache, fmt, page_size)
+    value_bytes, scale_bytes, scale_count = v4_value_bytes(fmt), v4_scale_bytes(fmt), v4_scale_count(fmt)
+    num_blocks, block_stride = cache.shape[0], cache.stride(0)
+    base = cache.storage_offset()
+    values = cache.as_strided((num_blocks, page_size, value_bytes), (block_stride, value_bytes, 1), base)
+    scales = cache.as_strided((num_blocks, page_size, scale_count), (block_stride, scale_bytes, 1),
+                              base + page_size * value_bytes)
+    return values, scales

@@ -164,7 +164,74 @@ class GqaModel:
         return {"kv": heads_per_rank * 2 * self.head_dim * element_size}
 
 
-Model = Union[MlaModel, GqaModel]
+# ---- DeepSeek-V4 (Flash, Pro): a window ring plus compressed entries per layer -------------------------------
+V4_LAYER_TYPES = ("window", "csa", "hca")   # HF's sliding_attention, compressed_sparse_attention, heavily_...
+# The cache formats of a V4 row (mla_kv.layout.V4_FORMATS); kv_format None is the row in cache_dtype.
+V4_KV_FORMATS = (None, "v4_fp8", "v4_mxfp8")
+V4_STATE_BYTES = 4                          # the compressor state is kept in float32
+
+
+@dataclass(frozen=True)
+class V4Model:
+    """Shapes of a DeepSeek-V4 model (HF DeepseekV4Config names in comments). Its MLA-like K = V row (512 values,
+    448 NoPE + 64 RoPE) is not MlaModel's 512 + 64 latent row, and its cache is not one row per token and layer:
+
+    - every layer keeps a ring of the last ``window`` tokens' rows per sequence (a fixed size, whatever the context);
+    - CSA layers add one compressed row per ``csa_ratio`` tokens and its index key (INDEX_ROW_BYTES, the indexer's
+      128-wide compressed key); HCA layers one compressed row per ``hca_ratio`` tokens; window-only layers nothing;
+    - CSA and HCA layers keep a compressor state per sequence: the open window's kv and gate projections in
+      float32 (CSA: two series of ``head_dim`` plus the last closed window's first series; its indexer the same at
+      ``index_head_dim``), as mla_kv.reference.v4_compress.CompressorState holds them.
+    """
+
+    name: str
+    num_heads: int                       # num_attention_heads (one K = V head)
+    max_context: int                     # max_position_embeddings
+    layer_types: Tuple[str, ...]         # layer_types, each of V4_LAYER_TYPES
+    window: int = 128                    # sliding_window
+    csa_ratio: int = 4                   # compress_rates["compressed_sparse_attention"]
+    hca_ratio: int = 128                 # compress_rates["heavily_compressed_attention"]
+    head_dim: int = LATENT_DIM           # head_dim
+    index_n_heads: int = 64              # index_n_heads
+    index_head_dim: int = INDEX_DIM      # index_head_dim
+    index_topk: int = 512                # index_topk
+    num_mtp_layers: int = 0              # num_nextn_predict_layers: planned as window-only layers
+
+    attention = "v4"
+    sparse = True                        # the CSA layers' indexer
+
+    def __post_init__(self) -> None:
+        _check_sizes(self, num_heads=1, max_context=1, window=1, csa_ratio=1, hca_ratio=1, head_dim=1,
+                     index_n_heads=1, index_head_dim=1, index_topk=1, num_mtp_layers=0)
+        types = self.layer_types
+        if not isinstance(types, tuple) or not types or not all(t in V4_LAYER_TYPES for t in types):
+            raise ValueError(f"V4Model.layer_types: a non-empty tuple of {', '.join(V4_LAYER_TYPES)}, got {types!r}")
+        if self.hca_ratio % self.csa_ratio:
+            # A planner block spans one HCA page; it must hold whole CSA pages too.
+            raise ValueError(f"V4Model.hca_ratio: must be a multiple of csa_ratio {self.csa_ratio}, "
+                             f"got {self.hca_ratio}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def count(self, layer_type: str) -> int:
+        """Layers of this type (num_mtp_layers not included)."""
+        return self.layer_types.count(layer_type)
+
+    def compressor_state_bytes(self, layer_type: str) -> int:
+        """One sequence's compressor state in a layer of this type (0: window-only)."""
+        def state(ratio: int, series: int, width: int) -> int:
+            previous_series = width if series == 2 else 0          # CSA: the last closed window's series a
+            return 2 * ratio * (series * width + previous_series) * V4_STATE_BYTES     # kv and gate
+        if layer_type == "csa":
+            return state(self.csa_ratio, 2, self.head_dim) + state(self.csa_ratio, 2, self.index_head_dim)
+        if layer_type == "hca":
+            return state(self.hca_ratio, 1, self.head_dim)
+        return 0
+
+
+Model = Union[MlaModel, GqaModel, V4Model]
 
 
 def _check_sizes(model, **minimums) -> None:
@@ -189,6 +256,12 @@ MODELS: Dict[str, Model] = {m.name: m for m in (
     # the previous indexed layer's top-k (indexer_types; HF's index_topk_freq 4, index_skip_topk_offset 3).
     MlaModel("glm-5.2", num_layers=78, num_heads=64, max_context=202_752, num_mtp_layers=1,
              index_n_heads=32, index_head_dim=128, index_topk=2048, index_layers=(0, 1, 2, *range(6, 78, 4))),
+    # DeepSeek-V4 (HF deepseek_v4): Flash 2 window-only + 21 CSA + 20 HCA layers, Pro 30 CSA + 31 HCA. The order
+    # of the types is a stand-in (the plan counts them only); max context 1M, HF DeepseekV4Config's default.
+    V4Model("deepseek-v4-flash", num_heads=64, max_context=1_048_576, num_mtp_layers=1, index_topk=512,
+            layer_types=("window",) * 2 + ("csa", "hca") * 20 + ("csa",)),
+    V4Model("deepseek-v4-pro", num_heads=128, max_context=1_048_576, num_mtp_layers=1, index_topk=1024,
+            layer_types=("hca",) + ("csa", "hca") * 30),
     GqaModel("llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, max_context=131_072),
     GqaModel("llama-3.1-70b", num_layers=80, num_kv_heads=8, head_dim=128, max_context=131_072),
 )}
@@ -204,8 +277,10 @@ def index_source_layers(model: Model) -> List[Optional[int]]:
     """For each layer of ``model``, the layer whose top-k indices its sparse attention reads: itself when it
     runs an indexer, else the nearest indexed layer before it (GLM-5.2's shared layers); None for every
     layer of a model without DSA."""
-    if not isinstance(model, (MlaModel, GqaModel)):
-        raise TypeError(f"model: expected an MlaModel or GqaModel, got {type(model).__name__}")
+    if not isinstance(model, (MlaModel, GqaModel, V4Model)):
+        raise TypeError(f"model: expected an MlaModel, GqaModel or V4Model, got {type(model).__name__}")
+    if model.attention == "v4":  # each CSA layer runs its own indexer; the others select no top-k
+        return [layer if kind == "csa" else None for layer, kind in enumerate(model.layer_types)]
     if model.attention != "mla" or not model.sparse:
         return [None] * model.num_layers
     indexed, source = set(model.index_layers), []
@@ -339,6 +414,10 @@ class LayoutPlan:
     truncated: bool
     # DSA: the index cache's part of bytes_per_token (INDEX_ROW_BYTES x indexed layers); 0 without DSA
     index_bytes_per_token: int = 0
+    # DeepSeek-V4 only (see plan_v4): the fixed bytes of one sequence (window rings and compressor states) and
+    # the tokens one block spans
+    sequence_bytes: int = 0
+    tokens_per_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -369,6 +448,10 @@ class MemoryPlan:
             del out["kv_format"]
         out["model"] = dict(asdict(self.model), attention=self.model.attention)
         out.update({name: asdict(lp) for name, lp in self.layouts.items()})
+        if self.model.attention == "v4":
+            return out
+        for name in self.layouts:  # the fields of V4's plans alone
+            del out[name]["sequence_bytes"], out[name]["tokens_per_block"]
         if not _is_sparse(self.model):  # a model without DSA: the dict of before DSA existed
             for key in ("index_n_heads", "index_head_dim", "index_topk", "index_layers"):
                 out["model"].pop(key, None)
@@ -379,6 +462,23 @@ class MemoryPlan:
 
 def _is_sparse(model: Model) -> bool:
     return model.attention == "mla" and model.sparse
+
+
+def _plan_arguments(gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype,
+                    count_mtp_layers) -> Tuple[int, int, int, float, int, int, int]:
+    """The arguments every plan takes, checked: (gpu, weights, reserved, ratio, block_size, tp, cp)."""
+    gpu = int(real("gpu_mem_bytes", gpu_mem_bytes, above=0))
+    weights = int(real("weight_bytes", weight_bytes, at_least=0))
+    reserved = int(real("reserved_bytes", reserved_bytes, at_least=0))
+    ratio = real("ratio", ratio, above=0, at_most=1)  # a fraction of free memory
+    block_size = integer("block_size", block_size, 1)
+    tp = integer("tp", tp, 1)
+    cp = integer("cp", cp, 1)
+    if not isinstance(cache_dtype, str) or cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+    if not isinstance(count_mtp_layers, bool):
+        raise TypeError(f"count_mtp_layers: expected a bool, got {type(count_mtp_layers).__name__}")
+    return gpu, weights, reserved, ratio, block_size, tp, cp
 
 
 def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
@@ -394,19 +494,14 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
     bytes exceed the GPU, free memory is 0 and no token fits. Byte counts and ratio are finite real
     numbers (Python or numpy), sizes ints; an error names the parameter.
     """
+    if isinstance(model, V4Model):
+        return plan_v4(model, gpu_mem_bytes, weight_bytes, ratio=ratio, reserved_bytes=reserved_bytes,
+                       block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp,
+                       count_mtp_layers=count_mtp_layers, kv_format=kv_format)
     if not isinstance(model, (MlaModel, GqaModel)):
-        raise TypeError(f"model: expected an MlaModel or GqaModel, got {type(model).__name__}")
-    gpu = int(real("gpu_mem_bytes", gpu_mem_bytes, above=0))
-    weights = int(real("weight_bytes", weight_bytes, at_least=0))
-    reserved = int(real("reserved_bytes", reserved_bytes, at_least=0))
-    ratio = real("ratio", ratio, above=0, at_most=1)  # a fraction of free memory
-    block_size = integer("block_size", block_size, 1)
-    tp = integer("tp", tp, 1)
-    cp = integer("cp", cp, 1)
-    if not isinstance(cache_dtype, str) or cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype: must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
-    if not isinstance(count_mtp_layers, bool):
-        raise TypeError(f"count_mtp_layers: expected a bool, got {type(count_mtp_layers).__name__}")
+        raise TypeError(f"model: expected an MlaModel, GqaModel or V4Model, got {type(model).__name__}")
+    gpu, weights, reserved, ratio, block_size, tp, cp = _plan_arguments(
+        gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype, count_mtp_layers)
     layout.check_kv_format(kv_format)
 
     per_layer = model.bytes_per_token_per_layer(CACHE_DTYPES[cache_dtype].itemsize, tp)
@@ -439,6 +534,99 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
                       kv_format=kv_format)
 
 
+def v4_row_format(kv_format: Optional[str], cache_dtype: str) -> str:
+    """The mla_kv.layout V4 row format of a plan: kv_format ("v4_fp8", "v4_mxfp8"), else the row in cache_dtype."""
+    if kv_format is None:
+        if cache_dtype not in ("fp16", "bf16"):
+            raise ValueError(f"cache_dtype: a DeepSeek-V4 row is fp16 or bf16 (or kv_format v4_fp8 / v4_mxfp8), "
+                             f"got {cache_dtype}")
+        return cache_dtype
+    if kv_format not in V4_KV_FORMATS:
+        raise ValueError(f"kv_format: a DeepSeek-V4 cache is the row in cache_dtype (kv_format None), 'v4_fp8' or "
+                         f"'v4_mxfp8', got {kv_format!r}")
+    return kv_format
+
+
+@dataclass(frozen=True)
+class V4LayerBytes:
+    """One DeepSeek-V4 layer's cache in a row format, with pages of block_size rows (see V4Model)."""
+
+    layer_type: str
+    window_bytes: int          # per sequence: the ring of the last `window` rows, in whole pages
+    ratio: int                 # tokens per compressed entry (0: window-only)
+    page_bytes: int            # a page of block_size compressed entries (0: window-only)
+    index_page_bytes: int      # a page of block_size index keys (CSA; else 0)
+    state_bytes: int           # per sequence: the compressor state
+
+
+def v4_layer_bytes(model: V4Model, layer_type: str, kv_format: Optional[str] = None, cache_dtype: str = "bf16",
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> V4LayerBytes:
+    """The bytes of one V4 layer of ``layer_type`` (V4_LAYER_TYPES): what is fixed per sequence and what a page of
+    compressed entries takes. Pages are mla_kv.layout.v4_page_bytes (v4_fp8 / v4_mxfp8 pages padded to 576 / 512)."""
+    if not isinstance(model, V4Model):
+        raise TypeError(f"model: expected a V4Model, got {type(model).__name__}")
+    if layer_type not in V4_LAYER_TYPES:
+        raise ValueError(f"layer_type: one of {', '.join(V4_LAYER_TYPES)}, got {layer_type!r}")
+    block_size = integer("block_size", block_size, 1)
+    row_format = v4_row_format(kv_format, cache_dtype)
+    page = layout.v4_page_bytes(block_size, row_format)
+    window = -(-model.window // block_size) * page
+    state = model.compressor_state_bytes(layer_type)
+    if layer_type == "window":
+        return V4LayerBytes(layer_type, window, 0, 0, 0, state)
+    ratio = model.csa_ratio if layer_type == "csa" else model.hca_ratio
+    index_page = block_size * layout.INDEX_ROW_BYTES if layer_type == "csa" else 0
+    return V4LayerBytes(layer_type, window, ratio, page, index_page, state)
+
+
+def plan_v4(model: V4Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
+            reserved_bytes: float = DEFAULT_RESERVED_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
+            cache_dtype: str = "bf16", tp: int = 1, cp: int = 1, count_mtp_layers: bool = False,
+            kv_format: Optional[str] = None) -> MemoryPlan:
+    """plan() of a DeepSeek-V4 model: one layout, "latent" (its K = V rows), sized for the longest sequence.
+
+    A V4 cache grows by compressed entries, a fraction of a row per token, and holds per sequence a fixed part
+    (window rings, compressor states: ``sequence_bytes``). A block here spans ``tokens_per_block`` = block_size x
+    hca_ratio tokens: one page of block_size entries in each HCA layer, hca_ratio / csa_ratio pages of entries and
+    of index keys in each CSA layer. num_blocks = (cache - sequence_bytes) // bytes_per_block, max_tokens =
+    num_blocks x tokens_per_block x cp (each cp rank keeps a sequence's fixed part). bytes_per_token(_per_layer)
+    are a block's bytes over its tokens (and cached layers), rounded up: an HCA entry is 584 / 128 B a token.
+    Counted MTP layers are planned as window-only layers. The cache has one K = V head: every tp rank keeps all of
+    it (tp must divide the heads). kv_format: None (rows in cache_dtype, fp16 or bf16), "v4_fp8" or "v4_mxfp8".
+    """
+    gpu, weights, reserved, ratio, block_size, tp, cp = _plan_arguments(
+        gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype, count_mtp_layers)
+    if model.num_heads % tp:
+        raise ValueError(f"tp: {tp} does not divide {model.name}'s {model.num_heads} attention heads")
+
+    types = list(model.layer_types) + (["window"] * model.num_mtp_layers if count_mtp_layers else [])
+    per_layer = [v4_layer_bytes(model, kind, kv_format, cache_dtype, block_size) for kind in types]
+    tokens_per_block = block_size * model.hca_ratio
+    sequence = sum(lb.window_bytes + lb.state_bytes for lb in per_layer)
+    index_per_block = per_block = 0
+    for lb in per_layer:
+        if lb.ratio:
+            pages = model.hca_ratio // lb.ratio
+            per_block += pages * (lb.page_bytes + lb.index_page_bytes)
+            index_per_block += pages * lb.index_page_bytes
+
+    weights_per_gpu = weights // tp
+    free = max(0, gpu - weights_per_gpu - reserved)
+    cache = int(free * ratio)
+    blocks = max(0, cache - sequence) // per_block
+    max_tokens = blocks * tokens_per_block * cp
+    per_token = -(-per_block // tokens_per_block)
+    latent = LayoutPlan(
+        layout="latent", bytes_per_token_per_layer=-(-per_block // (tokens_per_block * len(types))),
+        num_cached_layers=len(types), bytes_per_token=per_token, bytes_per_block=per_block, num_blocks=blocks,
+        max_tokens=max_tokens, session_len=min(max_tokens, model.max_context), truncated=max_tokens < model.max_context,
+        index_bytes_per_token=-(-index_per_block // tokens_per_block), sequence_bytes=sequence,
+        tokens_per_block=tokens_per_block)
+    return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu, reserved_bytes=reserved,
+                      free_bytes=free, cache_bytes=cache, ratio=ratio, block_size=block_size, cache_dtype=cache_dtype,
+                      tp=tp, cp=cp, layouts={"latent": latent}, kv_format=kv_format)
+
+
 def _quantized_latent(model: Model, kv_format: str, cache_dtype: str, block_size: int) -> Tuple[dict, dict]:
     """({"latent": bytes per token per layer}, {"latent": bytes per block per layer}) of a quantized
     format, from mla_kv.layout (int8 / int4: the per-token scale and zero of the trailer included)."""
@@ -460,7 +648,8 @@ def plan_kv_formats(model: Model, gpu_mem_bytes: float, weight_bytes: float, **k
     """One plan per format of mla_kv.layout.KV_FORMATS (None first), with plan()'s other arguments."""
     if "kv_format" in kwargs:
         raise TypeError("plan_kv_formats: plans every kv_format; do not pass one")
-    return tuple(plan(model, gpu_mem_bytes, weight_bytes, kv_format=f, **kwargs) for f in layout.KV_FORMATS)
+    formats = V4_KV_FORMATS if isinstance(model, V4Model) else layout.KV_FORMATS
+    return tuple(plan(model, gpu_mem_bytes, weight_bytes, kv_format=f, **kwargs) for f in formats)
 
 
 def format_label(result: MemoryPlan) -> str:
@@ -471,12 +660,25 @@ def format_label(result: MemoryPlan) -> str:
 def _header(result: MemoryPlan, gpu_label: str, cache: str) -> list:
     """The lines above a plan's table: model, GPU, memory per GPU and the ``cache`` line's text."""
     m = result.model
-    heads = f"{m.num_heads} heads" if m.attention == "mla" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
+    heads = f"{m.num_heads} heads" if m.attention != "gqa" else f"{m.num_kv_heads} KV heads x {m.head_dim}"
     first = next(iter(result.layouts.values()))
     layers = first.num_cached_layers
     attention = m.attention.upper() + (" + DSA" if _is_sparse(m) else "")
+    if m.attention == "v4":
+        attention = "DeepSeek-V4 (K = V rows of 512)"
     lines = [f"model        {m.name}: {attention}, {layers} cached layers, {heads}, max context {m.max_context:,}"]
-    if _is_sparse(m):
+    if m.attention == "v4":
+        mtp = layers - m.num_layers
+        lines += [
+            f"layers       {m.count('window')} window-only, {m.count('csa')} CSA (1 entry per {m.csa_ratio} tokens "
+            f"+ its index key), {m.count('hca')} HCA (1 per {m.hca_ratio})" + (f", {mtp} MTP as window-only" if mtp
+                                                                                else ""),
+            f"indexer      {m.index_n_heads} index heads x {m.index_head_dim}, top-k {m.index_topk:,}: "
+            f"{first.index_bytes_per_token:,} B/token of index keys",
+            f"per sequence {first.sequence_bytes / (1 << 20):.2f} MiB fixed: a {m.window}-token window ring in "
+            "every layer and the compressor states (fp32)",
+        ]
+    elif _is_sparse(m):
         row = m.index_bytes_per_token_per_layer
         indexed = first.index_bytes_per_token // row
         shared = layers - indexed
@@ -519,7 +721,12 @@ def format_plan(result: MemoryPlan, gpu_label: str) -> str:
         cache = result.kv_format
     lines = _header(result, gpu_label, cache)
     lines += _table("layout", [(lp.layout, lp) for lp in result.layouts.values()])
-    if "expanded" in result.layouts:
+    if result.model.attention == "v4":
+        lp = result.layouts["latent"]
+        lines.append("")
+        lines.append(f"one sequence: a block spans {lp.tokens_per_block:,} tokens; B/token is a block's bytes over "
+                     f"them; the fixed {lp.sequence_bytes:,} B per sequence come off the cache first")
+    elif "expanded" in result.layouts:
         latent, expanded = result.layouts["latent"], result.layouts["expanded"]
         lines.append("")
         lines.append(f"the latent layout stores {expanded.bytes_per_token // latent.bytes_per_token}x "
@@ -536,10 +743,15 @@ def format_kv_formats(results: Sequence[MemoryPlan], gpu_label: str) -> str:
     if not results:
         raise ValueError("results: no plans to format")
     first = results[0]
-    lines = _header(first, gpu_label, f"every format; {first.cache_dtype} for the unquantized rows and "
-                                      "int8/int4's scale and zero")
+    unquantized = f"every format; {first.cache_dtype} for the unquantized rows"
+    if first.model.attention != "v4":  # V4's formats have no trailer
+        unquantized += " and int8/int4's scale and zero"
+    lines = _header(first, gpu_label, unquantized)
     lines += _table("format", [(format_label(r), r.layouts["latent"]) for r in results])
     note = "the rows are the latent layout; the expanded per-head layout has no quantized form here"
+    if first.model.attention == "v4":
+        fixed = ", ".join(f"{format_label(r)} {r.layouts['latent'].sequence_bytes:,}" for r in results)
+        note = f"DeepSeek-V4, one sequence; its fixed bytes (window rings, compressor states): {fixed}"
     for r in results:
         if "expanded" in r.layouts:
             lp = r.layouts["expanded"]

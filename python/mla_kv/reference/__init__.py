@@ -11,7 +11,10 @@ merge_states and the block-pool forms), ``gather`` (gather_kv, gather_kv_blocks)
 unpack_blocks), ``sparse`` (sparse_attention and its block-pool form: DeepSeek Sparse Attention over
 the rows an index names) and ``expanded`` (prefill_expanded: the expanded-route prefill; expanded_attention:
 its attention over per-head K and V); ``index_keys`` (write_index_keys and its block-pointer form, with
-index_key_rows, hadamard_128 and quantize_index_keys: the indexer's key cache).
+index_key_rows, hadamard_128 and quantize_index_keys: the indexer's key cache). DeepSeek-V4: ``v4_cache``
+(its 512-wide K = V rows in bf16, the 584-byte fp8 and the 528-byte MXFP8 page-split formats; write_v4_kv),
+``v4_compress`` (the CSA and HCA compressors, prefill and step by step) and ``v4_attention``
+(v4_sparse_attention: window and compressed sets under one softmax with the per-head sink).
 """
 from .attention import decode, decode_blocks, merge_states, prefill, prefill_blocks
 from .expanded import expanded_attention, prefill_expanded
@@ -21,6 +24,9 @@ from .index_keys import hadamard_128, index_key_rows, quantize_index_keys, write
 from .index_topk import index_topk
 from .quant import dequantize_rows, pack_blocks, quantize_rows, unpack_blocks
 from .sparse import sparse_attention, sparse_attention_blocks
+from .v4_attention import v4_sparse_attention
+from .v4_cache import dequantize_v4_rows, quantize_v4_rows, read_v4_rows, v4_kv_rows, v4_q_rows, write_v4_kv
+from .v4_compress import CompressorState, compress_prefill, compress_step
 from .write import LATENT_DIM, ROPE_DIM, ROW_DIM, apply_rope, fused_write_kv, rms_norm, write_kv
 
 __all__ = [
@@ -29,4 +35,6 @@ __all__ = [
     "prefill", "prefill_blocks", "prefill_expanded", "quantize_rows", "rms_norm", "sparse_attention",
     "sparse_attention_blocks", "unpack_blocks", "write_kv",
     "hadamard_128", "index_key_rows", "quantize_index_keys", "write_index_keys", "write_index_keys_blocks",
+    "CompressorState", "compress_prefill", "compress_step", "dequantize_v4_rows", "quantize_v4_rows", "read_v4_rows",
+    "v4_kv_rows", "v4_q_rows", "v4_sparse_attention", "write_v4_kv",
 ]

@@ -69,7 +69,11 @@ def _layer_norm(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: 
     n = torch.tensor(1.0 / INDEX_DIM, dtype=acc)
     d = x - (_row_sum(x) * n)[..., None]
     var = _row_sum(d * d) * n
-    rstd = 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=acc))
+    spread = var + torch.tensor(eps, dtype=acc)
+    # The kernels' root is IEEE's (__fsqrt_rn); torch's float32 sqrt on the CPU is not (about one result in
+    # six is a step off). A float32's root taken in float64 rounds to the correctly rounded float32 one.
+    root = torch.sqrt(spread.double()).to(acc) if acc == torch.float32 else torch.sqrt(spread)
+    rstd = 1.0 / root
     return d * rstd[..., None] * weight.to(acc) + bias.to(acc)
 
 
