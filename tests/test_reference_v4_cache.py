@@ -116,13 +116,12 @@ def test_page_bytes_and_parts(fmt, page_size):
     cache = torch.zeros(layout.v4_cache_shape(3, page_size, fmt), dtype=torch.uint8)
     assert layout.check_v4_cache(cache, fmt) == page_size
     values, scales = layout.v4_cache_parts(cache, page_size, fmt)
-    width = 576 if fmt == "v4_fp8" else 512
-    assert values.shape == (3, page_size, width) and scales.shape == (3, page_size, 7 if fmt == "v4_fp8" else 16)
+    width, record = (576, 8) if fmt == "v4_fp8" else (512, 16)
+    assert values.shape == (3, page_size, width) and scales.shape == (3, page_size, record)
     values[1, page_size - 1, 0] = 1
-    scales[2, page_size - 1, scales.shape[2] - 1] = 2
+    scales[2, page_size - 1, record - 2] = 2
     assert cache[1, (page_size - 1) * width] == 1
-    record = 8 if fmt == "v4_fp8" else 16
-    assert cache[2, page_size * width + (page_size - 1) * record + scales.shape[2] - 1] == 2
+    assert cache[2, page_size * width + (page_size - 1) * record + record - 2] == 2
     assert int(cache.sum()) == 3
 
 

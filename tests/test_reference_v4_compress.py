@@ -89,29 +89,20 @@ def _call(compressor, hidden, start, cache):
 
 
 # ------------------------------------------------------------------------------------- against HF
-@pytest.mark.parametrize("tokens", [127, 128, 300, 512])
-def test_hca_prefill_matches_hf(tokens):
-    _, _, compressor = _hca()
+@pytest.mark.parametrize("kind, ratio, tokens", [
+    *(("hca", 128, t) for t in (127, 128, 300, 512)), *(("csa", 4, t) for t in (3, 4, 9, 16, 37))])
+def test_prefill_matches_hf(kind, ratio, tokens):
+    _, _, compressor = _hca() if kind == "hca" else _csa()
     hidden = _hidden(tokens)
     expected = _call(compressor, hidden, 0, None)
     kv, gate = _projections(compressor, hidden)
-    got = compress_prefill("hca", kv, gate, **_args(compressor))
-    assert got.shape == (tokens // 128, HEAD_DIM) == expected.shape
+    got = compress_prefill(kind, kv, gate, **_args(compressor))
+    assert got.shape == (tokens // ratio, HEAD_DIM) == expected.shape
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
-    got64 = compress_prefill("hca", kv.double(), gate.double(), **_args(compressor))
+    got64 = compress_prefill(kind, kv.double(), gate.double(), **_args(compressor))
     assert got64.dtype == torch.float64
     torch.testing.assert_close(got64.float(), expected, rtol=2e-5, atol=2e-5)
 
-
-@pytest.mark.parametrize("tokens", [3, 4, 9, 16, 37])
-def test_csa_prefill_matches_hf(tokens):
-    _, _, compressor = _csa()
-    hidden = _hidden(tokens)
-    expected = _call(compressor, hidden, 0, None)
-    kv, gate = _projections(compressor, hidden)
-    got = compress_prefill("csa", kv, gate, **_args(compressor))
-    assert got.shape == (tokens // 4, HEAD_DIM) == expected.shape
-    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
 def test_csa_entry_mixes_previous_series_a_and_own_series_b():

@@ -545,14 +545,14 @@ def check_v4_cache(cache, fmt: str, page_size: Optional[int] = None, name: str =
 def v4_cache_parts(cache: torch.Tensor, page_size: int, fmt: str):
     """(values, scales) of a quantized V4 cache, both uint8 views of its pages: values [num_blocks,
     page_size, 576] (v4_fp8: 448 e4m3 then 64 bf16 as bytes) or [num_blocks, page_size, 512] (v4_mxfp8: e4m3);
-    scales [num_blocks, page_size, 7] (v4_fp8; the pad byte after each token's 7 is left out) or
-    [num_blocks, page_size, 16] (v4_mxfp8), UE8M0 bytes e standing for 2^(e - 127)."""
+    scales: each token's scale record, [num_blocks, page_size, 8] (v4_fp8: 7 UE8M0 bytes, then the pad byte)
+    or [num_blocks, page_size, 16] (v4_mxfp8), a UE8M0 byte e standing for 2^(e - 127)."""
     _v4_row(fmt)
     page_size = check_v4_cache(cache, fmt, page_size)
-    value_bytes, scale_bytes, scale_count = v4_value_bytes(fmt), v4_scale_bytes(fmt), v4_scale_count(fmt)
+    value_bytes, scale_bytes = v4_value_bytes(fmt), v4_scale_bytes(fmt)
     num_blocks, block_stride = cache.shape[0], cache.stride(0)
     base = cache.storage_offset()
     values = cache.as_strided((num_blocks, page_size, value_bytes), (block_stride, value_bytes, 1), base)
-    scales = cache.as_strided((num_blocks, page_size, scale_count), (block_stride, scale_bytes, 1),
+    scales = cache.as_strided((num_blocks, page_size, scale_bytes), (block_stride, scale_bytes, 1),
                               base + page_size * value_bytes)
     return values, scales

@@ -464,9 +464,23 @@ def _is_sparse(model: Model) -> bool:
     return model.attention == "mla" and model.sparse
 
 
+@dataclass(frozen=True)
+class _PlanArguments:
+    """The arguments every plan takes, checked, and the memory they leave for the cache on one GPU."""
+
+    gpu: int
+    reserved: int
+    ratio: float
+    block_size: int
+    tp: int
+    cp: int
+    weights_per_gpu: int
+    free: int      # the GPU's bytes less its weights and the reserve
+    cache: int     # ratio x free
+
+
 def _plan_arguments(gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype,
-                    count_mtp_layers) -> Tuple[int, int, int, float, int, int, int]:
-    """The arguments every plan takes, checked: (gpu, weights, reserved, ratio, block_size, tp, cp)."""
+                    count_mtp_layers) -> _PlanArguments:
     gpu = int(real("gpu_mem_bytes", gpu_mem_bytes, above=0))
     weights = int(real("weight_bytes", weight_bytes, at_least=0))
     reserved = int(real("reserved_bytes", reserved_bytes, at_least=0))
@@ -478,7 +492,17 @@ def _plan_arguments(gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_si
         raise ValueError(f"cache_dtype: must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
     if not isinstance(count_mtp_layers, bool):
         raise TypeError(f"count_mtp_layers: expected a bool, got {type(count_mtp_layers).__name__}")
-    return gpu, weights, reserved, ratio, block_size, tp, cp
+    weights_per_gpu = weights // tp
+    free = max(0, gpu - weights_per_gpu - reserved)
+    return _PlanArguments(gpu, reserved, ratio, block_size, tp, cp, weights_per_gpu, free, int(free * ratio))
+
+
+def _memory_plan(model: Model, a: _PlanArguments, cache_dtype: str, layouts: Dict[str, LayoutPlan],
+                 kv_format: Optional[str]) -> MemoryPlan:
+    return MemoryPlan(model=model, gpu_mem_bytes=a.gpu, weight_bytes_per_gpu=a.weights_per_gpu,
+                      reserved_bytes=a.reserved, free_bytes=a.free, cache_bytes=a.cache, ratio=a.ratio,
+                      block_size=a.block_size, cache_dtype=cache_dtype, tp=a.tp, cp=a.cp, layouts=layouts,
+                      kv_format=kv_format)
 
 
 def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: float = DEFAULT_RATIO,
@@ -500,8 +524,9 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
                        count_mtp_layers=count_mtp_layers, kv_format=kv_format)
     if not isinstance(model, (MlaModel, GqaModel)):
         raise TypeError(f"model: expected an MlaModel, GqaModel or V4Model, got {type(model).__name__}")
-    gpu, weights, reserved, ratio, block_size, tp, cp = _plan_arguments(
-        gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype, count_mtp_layers)
+    a = _plan_arguments(gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype,
+                        count_mtp_layers)
+    block_size, tp, cp, cache = a.block_size, a.tp, a.cp, a.cache
     layout.check_kv_format(kv_format)
 
     per_layer = model.bytes_per_token_per_layer(CACHE_DTYPES[cache_dtype].itemsize, tp)
@@ -513,10 +538,6 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
     if _is_sparse(model):
         indexed = len(model.index_layers) + (model.num_mtp_layers if count_mtp_layers else 0)
         index_per_token = model.index_bytes_per_token_per_layer * indexed
-    weights_per_gpu = weights // tp
-    free = max(0, gpu - weights_per_gpu - reserved)
-    cache = int(free * ratio)
-
     layouts = {}
     for name, layer_bytes in per_layer.items():
         per_token = layer_bytes * layers + index_per_token
@@ -528,10 +549,7 @@ def plan(model: Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio: floa
             bytes_per_token=per_token, bytes_per_block=per_block, num_blocks=blocks,
             max_tokens=max_tokens, session_len=min(max_tokens, model.max_context),
             truncated=max_tokens < model.max_context, index_bytes_per_token=index_per_token)
-    return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu,
-                      reserved_bytes=reserved, free_bytes=free, cache_bytes=cache, ratio=ratio,
-                      block_size=block_size, cache_dtype=cache_dtype, tp=tp, cp=cp, layouts=layouts,
-                      kv_format=kv_format)
+    return _memory_plan(model, a, cache_dtype, layouts, kv_format)
 
 
 def v4_row_format(kv_format: Optional[str], cache_dtype: str) -> str:
@@ -594,8 +612,9 @@ def plan_v4(model: V4Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio:
     Counted MTP layers are planned as window-only layers. The cache has one K = V head: every tp rank keeps all of
     it (tp must divide the heads). kv_format: None (rows in cache_dtype, fp16 or bf16), "v4_fp8" or "v4_mxfp8".
     """
-    gpu, weights, reserved, ratio, block_size, tp, cp = _plan_arguments(
-        gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype, count_mtp_layers)
+    a = _plan_arguments(gpu_mem_bytes, weight_bytes, reserved_bytes, ratio, block_size, tp, cp, cache_dtype,
+                        count_mtp_layers)
+    block_size, tp, cp, cache = a.block_size, a.tp, a.cp, a.cache
     if model.num_heads % tp:
         raise ValueError(f"tp: {tp} does not divide {model.name}'s {model.num_heads} attention heads")
 
@@ -610,9 +629,6 @@ def plan_v4(model: V4Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio:
             per_block += pages * (lb.page_bytes + lb.index_page_bytes)
             index_per_block += pages * lb.index_page_bytes
 
-    weights_per_gpu = weights // tp
-    free = max(0, gpu - weights_per_gpu - reserved)
-    cache = int(free * ratio)
     blocks = max(0, cache - sequence) // per_block
     max_tokens = blocks * tokens_per_block * cp
     per_token = -(-per_block // tokens_per_block)
@@ -622,9 +638,7 @@ def plan_v4(model: V4Model, gpu_mem_bytes: float, weight_bytes: float, *, ratio:
         max_tokens=max_tokens, session_len=min(max_tokens, model.max_context), truncated=max_tokens < model.max_context,
         index_bytes_per_token=-(-index_per_block // tokens_per_block), sequence_bytes=sequence,
         tokens_per_block=tokens_per_block)
-    return MemoryPlan(model=model, gpu_mem_bytes=gpu, weight_bytes_per_gpu=weights_per_gpu, reserved_bytes=reserved,
-                      free_bytes=free, cache_bytes=cache, ratio=ratio, block_size=block_size, cache_dtype=cache_dtype,
-                      tp=tp, cp=cp, layouts={"latent": latent}, kv_format=kv_format)
+    return _memory_plan(model, a, cache_dtype, {"latent": latent}, kv_format)
 
 
 def _quantized_latent(model: Model, kv_format: str, cache_dtype: str, block_size: int) -> Tuple[dict, dict]:

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._checks import real, tensor
-from ..layout import LATENT_DIM, ROPE_DIM
+from ..layout import V4_DIM, V4_ROPE_DIM
 from ._common import _attend, _check_index, _result, _sequence_rows
 from .write import apply_rope
 
@@ -54,7 +54,7 @@ def _set_rows(name: str, index_set, tokens: int) -> List[torch.Tensor]:
                              f"{tuple(counts.shape)}")
     used = torch.arange(width)[None, :] < counts[:, None]                    # [T, k]: inside lengths[t]
     if isinstance(source, torch.Tensor):
-        tensor(f"{name} rows_source", source, dims=3, last=LATENT_DIM, dtypes=_CACHE_DTYPES)
+        tensor(f"{name} rows_source", source, dims=3, last=V4_DIM, dtypes=_CACHE_DTYPES)
         used &= (slots >= 0) & (slots < source.shape[0] * source.shape[1])
         read = functools.partial(_sequence_rows, source)
     elif callable(source):
@@ -67,9 +67,9 @@ def _set_rows(name: str, index_set, tokens: int) -> List[torch.Tensor]:
     wanted = slots[used]
     # One read per set, not per token: a reader of a quantized cache dequantizes whole pages.
     rows = read(wanted)
-    tensor(f"{name} rows_source", rows, dims=2, last=LATENT_DIM)
+    tensor(f"{name} rows_source", rows, dims=2, last=V4_DIM)
     if rows.shape[0] != wanted.shape[0] or not rows.dtype.is_floating_point:
-        raise ValueError(f"{name} rows_source: the reader must return float rows [{wanted.shape[0]}, {LATENT_DIM}] "
+        raise ValueError(f"{name} rows_source: the reader must return float rows [{wanted.shape[0]}, {V4_DIM}] "
                          f"for {wanted.shape[0]} slots, got {rows.dtype} of shape {tuple(rows.shape)}")
     return list(rows.to(device="cpu", dtype=torch.float64).split(used.sum(dim=1).tolist()))
 
@@ -95,14 +95,14 @@ def _derotation(derotate, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
     if pos.shape[0] != tokens:
         raise ValueError(f"derotate positions: expected {tokens} entries (one per token of q), got shape "
                          f"{tuple(pos.shape)}")
-    tensor("derotate cos_sin_cache", cos_sin_cache, dims=2, last=ROPE_DIM)
+    tensor("derotate cos_sin_cache", cos_sin_cache, dims=2, last=V4_ROPE_DIM)
     if not cos_sin_cache.dtype.is_floating_point:
         raise TypeError(f"derotate cos_sin_cache: expected a floating dtype, got {cos_sin_cache.dtype}")
     if ((pos < 0) | (pos >= cos_sin_cache.shape[0])).any():
         raise ValueError(f"derotate positions: must lie in [0, {cos_sin_cache.shape[0]}) (the cos_sin_cache's "
                          f"rows), got {pos.tolist()}")
     cs = cos_sin_cache.detach().cpu().to(torch.float64)
-    half = ROPE_DIM // 2
+    half = V4_ROPE_DIM // 2
     # The rotation by -angle is the inverse one: same cos, negated sin.
     return pos, torch.cat((cs[:, :half], -cs[:, half:]), dim=-1)
 
@@ -126,7 +126,7 @@ def v4_sparse_attention(q: torch.Tensor, sets: Sequence[IndexSet], softmax_scale
     Returns out [T, H, 512] in q's dtype and lse [T, H] float32 (natural log, without the sink), written
     into ``out`` / ``lse`` when given.
     """
-    tensor("q", q, dims=3, last=LATENT_DIM, dtypes=_CACHE_DTYPES)
+    tensor("q", q, dims=3, last=V4_DIM, dtypes=_CACHE_DTYPES)
     scale = real("softmax_scale", softmax_scale, above=0)
     if not isinstance(sets, (tuple, list)) or not 1 <= len(sets) <= 2:
         raise ValueError(f"sets: expected one or two (rows_source, indices, lengths) triples, got "
@@ -137,7 +137,7 @@ def v4_sparse_attention(q: torch.Tensor, sets: Sequence[IndexSet], softmax_scale
     per_set = [_set_rows(f"sets[{i}]", index_set, tokens) for i, index_set in enumerate(sets)]
 
     qf = q.detach().cpu().to(torch.float64)
-    out_acc = torch.zeros(tokens, heads, LATENT_DIM, dtype=torch.float64)
+    out_acc = torch.zeros(tokens, heads, V4_DIM, dtype=torch.float64)
     lse_acc = torch.full((tokens, heads), float("-inf"), dtype=torch.float64)
     for t in range(tokens):
         rows = torch.cat([set_rows[t] for set_rows in per_set])               # the shared softmax's rows
@@ -151,6 +151,6 @@ def v4_sparse_attention(q: torch.Tensor, sets: Sequence[IndexSet], softmax_scale
         out_acc *= torch.where(lse_acc == float("-inf"), 0.0, kept)[..., None]
     if derotation is not None:
         positions, inverse_cache = derotation
-        out_acc[..., -ROPE_DIM:] = apply_rope(out_acc[..., -ROPE_DIM:], positions, inverse_cache, "interleaved")
+        out_acc[..., -V4_ROPE_DIM:] = apply_rope(out_acc[..., -V4_ROPE_DIM:], positions, inverse_cache, "interleaved")
     return (_result("out", out, out_acc.to(device=q.device, dtype=q.dtype)),
             _result("lse", lse, lse_acc.to(device=q.device, dtype=torch.float32)))

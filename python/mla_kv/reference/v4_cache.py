@@ -36,7 +36,8 @@ import torch
 
 from .._checks import tensor
 from ..layout import (V4_DIM, V4_NOPE_DIM, V4_PLAIN_DTYPES, V4_ROPE_DIM, check_v4_cache, check_v4_format,
-                      v4_scale_bytes, v4_scale_count, v4_scale_group, v4_value_bytes)
+                      v4_cache_parts, v4_scale_bytes, v4_scale_count, v4_scale_group, v4_value_bytes)
+from ._common import _acc_dtype, _check_index
 from .quant import E4M3_MAX, e4m3_codes, e4m3_values
 from .write import apply_rope, rms_norm
 
@@ -123,17 +124,10 @@ def v4_q_rows(q: torch.Tensor, eps: float, positions: torch.Tensor, cos_sin_cach
     """q [T, H, 512] as the attention takes it, in q's dtype (HF's q_b_norm, then RoPE): per head
     q * r with r = rsqrt(mean(q^2) + eps) computed in float32 (float64 for float64) and rounded to q's dtype,
     the product rounded to q's dtype; then interleaved RoPE of dims 448..511 at positions[:T]."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    factor = torch.rsqrt(q.to(acc).square().mean(-1, keepdim=True) + eps).to(q.dtype)
+    factor = torch.rsqrt(q.to(_acc_dtype(q)).square().mean(-1, keepdim=True) + eps).to(q.dtype)
     normed = q * factor
     rope = apply_rope(normed[..., V4_NOPE_DIM:], positions[:q.shape[0]].long(), cos_sin_cache, "interleaved")
     return torch.cat([normed[..., :V4_NOPE_DIM], rope], -1)
-
-
-def _slot_places(slot_mapping: torch.Tensor, page_size: int, num_blocks: int, keep: torch.Tensor):
-    slots = slot_mapping.long()
-    keep = keep & (slots >= 0) & (slots < num_blocks * page_size)
-    return keep, slots[keep] // page_size, slots[keep] % page_size
 
 
 def write_v4_kv(kv: torch.Tensor, rms_weight: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -151,16 +145,12 @@ def write_v4_kv(kv: torch.Tensor, rms_weight: torch.Tensor, eps: float, position
     """
     check_v4_format(fmt)
     page_size = check_v4_cache(cache, fmt)
-    tensor("slot_mapping", slot_mapping, dims=1)
+    slot_mapping = _check_index("slot_mapping", slot_mapping, 1)
     t = slot_mapping.shape[0]
     tensor("kv", kv, dims=2, last=V4_DIM)
     tensor("rms_weight", rms_weight, dims=1, last=V4_DIM)
-    tensor("positions", positions, dims=1)
+    positions = _check_index("positions", positions, 1)
     tensor("cos_sin_cache", cos_sin_cache, dims=2, last=V4_ROPE_DIM)
-    if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
-        raise TypeError(f"slot_mapping: expected an integer dtype, got {slot_mapping.dtype}")
-    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError(f"positions: expected an integer dtype, got {positions.dtype}")
     if not kv.is_floating_point():
         raise TypeError(f"kv: expected a floating-point dtype, got {kv.dtype}")
     if kv.shape[0] < t or positions.shape[0] < t:
@@ -170,10 +160,12 @@ def write_v4_kv(kv: torch.Tensor, rms_weight: torch.Tensor, eps: float, position
         tensor("q", q, dims=3, last=V4_DIM)
         if q.shape[0] < t or not q.is_floating_point():
             raise ValueError(f"q: expected floating-point [>={t}, H, {V4_DIM}], got {q.dtype} {tuple(q.shape)}")
-    pos = positions[:t].long().to(kv.device)
+    pos = positions[:t].to(kv.device)
     in_range = (pos >= 0) & (pos < cos_sin_cache.shape[0])
     pos = pos.where(in_range, 0)
-    keep, blocks, offsets = _slot_places(slot_mapping.to(kv.device), page_size, cache.shape[0], in_range)
+    slots = slot_mapping.to(kv.device)
+    keep = in_range & (slots >= 0) & (slots < cache.shape[0] * page_size)
+    blocks, offsets = slots[keep] // page_size, slots[keep] % page_size
     if bool(keep.any()):
         rows = v4_kv_rows(kv[:t][keep], rms_weight, eps, pos[keep], cos_sin_cache)
         blocks, offsets = blocks.to(cache.device), offsets.to(cache.device)
@@ -181,11 +173,9 @@ def write_v4_kv(kv: torch.Tensor, rms_weight: torch.Tensor, eps: float, position
             cache[blocks, offsets] = rows.to(device=cache.device, dtype=cache.dtype)
         else:
             values, scales = quantize_v4_rows(rows, fmt)
-            width, record = v4_value_bytes(fmt), v4_scale_bytes(fmt)
-            columns = torch.arange(width, device=cache.device)
-            cache[blocks[:, None], offsets[:, None] * width + columns] = values.to(cache.device)
-            columns = torch.arange(record, device=cache.device)
-            cache[blocks[:, None], page_size * width + offsets[:, None] * record + columns] = scales.to(cache.device)
+            value_pages, scale_pages = v4_cache_parts(cache, page_size, fmt)
+            value_pages[blocks, offsets] = values.to(cache.device)
+            scale_pages[blocks, offsets] = scales.to(cache.device)
     if q is not None:
         rotated = v4_q_rows(q[:t], eps, pos.to(q.device), cos_sin_cache)
         q[:t] = torch.where(in_range.to(q.device)[:, None, None], rotated, q[:t])
@@ -197,19 +187,13 @@ def read_v4_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, page_size: 
     (negative or past the cache) reads as a row of NaN, so that attending to it by mistake shows."""
     check_v4_format(fmt)
     page_size = check_v4_cache(cache, fmt, page_size)
-    tensor("slots", slots, dims=1)
-    if slots.dtype.is_floating_point or slots.dtype == torch.bool:
-        raise TypeError(f"slots: expected an integer dtype, got {slots.dtype}")
-    slots = slots.long().to(cache.device)
+    slots = _check_index("slots", slots, 1).to(cache.device)
     present = (slots >= 0) & (slots < cache.shape[0] * page_size)
     safe = slots.where(present, 0)
     blocks, offsets = safe // page_size, safe % page_size
     if fmt in V4_PLAIN_DTYPES:
         rows = cache[blocks, offsets].float()
     else:
-        width, record = v4_value_bytes(fmt), v4_scale_bytes(fmt)
-        values = cache[blocks[:, None], offsets[:, None] * width + torch.arange(width, device=cache.device)]
-        scales = cache[blocks[:, None], page_size * width + offsets[:, None] * record +
-                       torch.arange(record, device=cache.device)]
-        rows = dequantize_v4_rows(values, scales, fmt)
+        value_pages, scale_pages = v4_cache_parts(cache, page_size, fmt)
+        rows = dequantize_v4_rows(value_pages[blocks, offsets], scale_pages[blocks, offsets], fmt)
     return torch.where(present[:, None], rows, float("nan"))

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .._checks import integer, real, tensor
+from ._common import _acc_dtype
 from .write import ROPE_DIM, apply_rope, rms_norm
 
 CSA_RATIO = 4
@@ -49,10 +50,6 @@ def _check_kind(kind) -> int:
     if kind not in COMPRESSOR_SERIES:
         raise ValueError(f"kind: must be one of {', '.join(COMPRESSOR_SERIES)}, got {kind!r}")
     return COMPRESSOR_SERIES[kind]
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 @dataclass
