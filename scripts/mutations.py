@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 ARCHS = ("Sm70", "Sm75", "Sm80", "Sm90")
 ALL = ARCHS
 WRITE_ARCHS = ("Sm70", "Sm80")   # write/gather variants (Sm75 runs Sm70's, Sm90 runs Sm80's)
-MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (mma_sync.cuh)
+MMA_SYNC = ("Sm70", "Sm75", "Sm80")  # attention_kernel (attention_mma_sync.cuh)
 FAMILIES = ("write", "gather", "attention", "expanded", "combine", "merge", "schedule", "indexer")
 INDEX_SCORES_ARCHS = ("Sm70", "Sm75", "Sm80")  # index_scores_kernel (the Sm90 tag runs the Sm80 one)
 TOPICS = ("plain write", "fused write", "paged slots", "block pointers", "paged table", "decode",
@@ -46,7 +46,7 @@ FP8_CUH = "csrc/kernels/arch/fp8.cuh"
 DEQUANT_CUH = "csrc/kernels/dequant.cuh"
 GATHER_CUH = "csrc/kernels/gather/gather_kv.cuh"
 COMMON_CUH = "csrc/kernels/attention/common.cuh"
-MMA_SYNC_CUH = "csrc/kernels/attention/mma_sync.cuh"
+MMA_SYNC_CUH = "csrc/kernels/attention/attention_mma_sync.cuh"
 COMBINE_CU = "csrc/kernels/attention/combine.cu"
 PLAN_CU = "csrc/kernels/attention/plan.cu"
 ATTENTION_CU = "csrc/kernels/attention/attention.cu"
@@ -256,10 +256,11 @@ MUTATIONS = (
              "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads + 1 : w.kv_len;",
              "const int visible = p.causal ? w.kv_len - w.q_len + last_row / p.num_heads : w.kv_len;", T_ATTENTION,
              "a CTA's kv range stops one key before its last query's own key"),
-    Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), MMA_SYNC_CUH,
+    Mutation("mma-sync-mask-one-past", "attention", MMA_SYNC, ("mask", "softmax"), COMMON_CUH,
              "sc[c] = (j0 + my_col0 + c < row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;",
-             "sc[c] = (j0 + my_col0 + c <= row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;", T_ATTENTION,
-             "mma.sync kernel: the key at a row's limit (next token, or a zero row past the end) is scored"),
+             "sc[c] = (j0 + my_col0 + c <= row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;",
+             T_ATTENTION + T_EXPANDED, "mma.sync kernels (online_softmax_tile, the expanded kernel's too): the key "
+             "at a row's limit (next token, or a zero row past the end) is scored"),
     Mutation("mma-sync-scale-not-log2", "attention", MMA_SYNC, ("softmax",), MMA_SYNC_CUH,
              "const float scale_log2 = p.softmax_scale * kLog2e;", "const float scale_log2 = p.softmax_scale;",
              T_ATTENTION, "mma.sync kernel: exp2 of scores scaled for exp (softmax temperature x1.44)"),
@@ -267,10 +268,10 @@ MUTATIONS = (
              "return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);",
              "return kFlushDenormals ? arch::exp2_ftz(new_max - old_max) : exp2f(new_max - old_max);", T_ATTENTION,
              "online softmax rescale factor 2^(new - old): infinite on the first tile, 0 x inf = NaN"),
-    Mutation("mma-sync-row-sum-not-rescaled", "attention", MMA_SYNC, ("rescale",), MMA_SYNC_CUH,
-             "row_sum = row_sum * alpha + tile_sum;", "row_sum = row_sum + tile_sum;", T_SCORES + T_ATTENTION,
-             "mma.sync kernel: the row sum keeps its old scale when the running max moves (score jump)",
-             focus=RESCALE_FOCUS),
+    Mutation("mma-sync-row-sum-not-rescaled", "attention", MMA_SYNC, ("rescale",), COMMON_CUH,
+             "row_sum = row_sum * alpha + tile_sum;", "row_sum = row_sum + tile_sum;",
+             T_SCORES + T_ATTENTION + T_EXPANDED, "mma.sync kernels (online_softmax_tile, the expanded kernel's "
+             "too): the row sum keeps its old scale when the running max moves (score jump)", focus=RESCALE_FOCUS),
     Mutation("mma-sync-lse-base", "attention", MMA_SYNC, ("lse",), MMA_SYNC_CUH,
              "const float lse = l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;",
              "const float lse = l > 0.f ? (max_s[tid] + logf(l)) * kLn2 : -INFINITY;", T_ATTENTION,
@@ -385,8 +386,8 @@ MUTATIONS = (
              "lb = arch::load_cluster_shared_f32(lse_s + col, other);", "lb = la;", T_QUANT_ATTENTION,
              "narrow kernel, clusters of two splits: the other CTA's lse taken as this one's, so the two "
              "splits' rows are averaged instead of weighted by their softmax mass", focus="pairs"),
-    Mutation("narrow-pair-combine-every-split", "combine", ("Sm90",), ("quantized", "decode", "split"), SM90_CUH,
-             "left.num_splits = narrow::combined_splits(p.num_splits);", "left.num_splits = p.num_splits;",
+    Mutation("narrow-pair-combine-every-split", "combine", ("Sm90",), ("quantized", "decode", "split"),
+             ATTENTION_CU, "(p.num_splits > 1 && !l.pair_merge)", "(p.num_splits > 1)",
              T_QUANT_ATTENTION, "narrow kernel, clusters of two splits: the combine runs after the pair wrote "
              "out, merging the two partials no CTA wrote (the workspace's poison) over it", focus="pairs"),
     Mutation("narrow-q-power-dropped", "attention", ("Sm90",), ("quantized", "decode"), NARROW_CUH,
@@ -472,16 +473,18 @@ MUTATIONS = (
              "row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 1) : w.kv_hi;",
              "row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 2) : w.kv_hi;", T_EXPANDED,
              "expanded_attention: each causal query also sees the key after its own"),
-    Mutation("expanded-rescale-skipped", "expanded", ("Sm70", "Sm75"), ("rescale",), EXPANDED_CUH,
-             "rescale = __syncthreads_or(alpha != 1.f);", "rescale = __syncthreads_or(alpha != 1.f) && false;",
-             T_EXPANDED, "expanded_attention: O is not rescaled when the running max moves",
-             focus=RESCALE_FOCUS + " or sink"),
+    Mutation("expanded-rescale-skipped", "expanded", MMA_SYNC, ("rescale",), COMMON_CUH,
+             "return __syncthreads_or(alpha != 1.f);", "return __syncthreads_or(alpha != 1.f) && false;",
+             T_EXPANDED + T_SCORES + T_ATTENTION, "online_softmax_tile (expanded_attention, and the mma.sync "
+             "attention kernel): O is not rescaled when the running max moves", focus=RESCALE_FOCUS + " or sink"),
     Mutation("expanded-lse-log2", "expanded", ("Sm70", "Sm75"), ("lse",), EXPANDED_CUH,
              "l > 0.f ? (max_s[tid] + log2f(l)) * kLn2 : -INFINITY;", "l > 0.f ? (max_s[tid] + log2f(l)) : -INFINITY;",
              T_EXPANDED, "expanded_attention: lse left in the log2 domain"),
-    Mutation("expanded-split-k-slice-dropped", "expanded", ("Sm70", "Sm75"), ("mma",), EXPANDED_CUH,
-             "for (int part = 0; part < kSplitK; ++part)", "for (int part = 0; part < 1; ++part)", T_EXPANDED,
-             "expanded_attention, 32-row CTAs (Sm75 at 256 / 256, T4 limits): the second half of d_qk is dropped"),
+    Mutation("expanded-split-k-slice-dropped", "expanded", MMA_SYNC, ("mma",), COMMON_CUH,
+             "for (int part = 0; part < Tiles::kSplitK; ++part)", "for (int part = 0; part < 1; ++part)",
+             T_EXPANDED + T_ATTENTION, "online_softmax_tile sums only the first slice's partial scores: "
+             "expanded_attention's 32-row CTAs (Sm75 at 256 / 256, T4 limits) drop the second half of d_qk, the "
+             "mma.sync attention tiles that split the 576-d contraction lose the other slices"),
     Mutation("expanded-q-head-stride", "expanded", ("Sm70", "Sm75"), ("addressing",), EXPANDED_CUH,
              "w.q_base * p.q_stride_t + int64_t(w.h) * p.q_stride_h;", "w.q_base * p.q_stride_t + int64_t(w.h) * p.k_stride_h;",
              T_EXPANDED, "expanded_attention: q's heads addressed with k's head stride (equal when both are dense)"),
@@ -521,8 +524,8 @@ MUTATIONS = (
              "the split count is not recomputed after rounding tokens up: trailing splits are empty",
              focus="schedule"),
     Mutation("plan-piece-end-off-by-one", "schedule", ALL, ("split",), PLAN_CU,
-             "it.kv_hi = min((i + 1) * piece_tiles * kTileTokens, w.visible);",
-             "it.kv_hi = min((i + 1) * piece_tiles * kTileTokens - 1, w.visible);", T_PLAN + T_ATTENTION,
+             "const int kv_hi = min((i + 1) * piece_tiles * kTileTokens, w.visible);",
+             "const int kv_hi = min((i + 1) * piece_tiles * kTileTokens - 1, w.visible);", T_PLAN + T_ATTENTION,
              "length-aware plan: every piece but a unit's last ends one key early (its last key read by no CTA)",
              focus="plan"),
     Mutation("plan-combine-lost-partial", "schedule", ALL, ("split",), COMBINE_CU,
@@ -533,6 +536,20 @@ MUTATIONS = (
              "w.visible = p.causal ? min(w.kv_len, max(0, w.kv_len - q + last / p.num_heads)) : w.kv_len;",
              T_PLAN + T_ATTENTION, "length-aware plan: a unit's kv range stops one key short of its last row's",
              focus="plan"),
+    Mutation("plan-slot-prefix-misses-splits", "schedule", ALL, ("split",), PLAN_CU,
+             "const int slot0 = at[0] - (run.first + k) + at[1];", "const int slot0 = at[0] - (run.first + k);",
+             T_PLAN + T_ATTENTION, "length-aware plan: a split unit's first slot leaves out one per earlier split "
+             "unit, so the second split unit's partials overwrite the first one's last", focus="plan"),
+    Mutation("plan-split-groups-too-wide", "schedule", ALL, ("split",), PLAN_CU,
+             "const int shift = 31 - __clz(kPlanThreads / records);",
+             "const int shift = 32 - __clz(kPlanThreads / records);", T_PLAN + T_ATTENTION,
+             "length-aware plan: twice as many threads per split unit as the CTA has for them, so of two or more "
+             "split units in a round about half get no items and no combine rows", focus="plan"),
+    Mutation("plan-packed-unit-search-strict", "schedule", ALL, ("split", "prefill"), PLAN_CU,
+             "if (c < p.batch && batch.first_unit[c] <= u[k]) b[k] = c;",
+             "if (c < p.batch && batch.first_unit[c] < u[k]) b[k] = c;", T_PLAN + T_ATTENTION,
+             "length-aware plan, packed batch: a sequence's first unit is taken for one past the previous "
+             "sequence's last (a row block before row 0)", focus="plan and prefill"),
     # ------------------------------------------------------------------ sparse attention
     Mutation("index-scores-relu-dropped", "indexer", INDEX_SCORES_ARCHS, ("index scores", "mma"), INDEX_SCORES_CUH,
              "float v = fmaxf(acc[m][n][i], 0.f) * weight[m][i]", "float v = acc[m][n][i] * weight[m][i]",
@@ -551,6 +568,14 @@ MUTATIONS = (
              INDEX_SCORES_CUH, "int64_t(cache.page_size) * kIndexDim + offset * 4", "offset * kIndexRowBytes + kIndexDim",
              T_INDEX_SCORES, "index scores: a token's scale read after its own 128 codes (a [128 | 4] row) instead "
              "of after the page's codes", focus="decode"),
+    Mutation("index-scores-ring-slot", "indexer", ("Sm80",), ("index scores", "cp.async"), INDEX_SCORES_CUH,
+             "s.codes[tile % kStages] + pos", "s.codes[(tile + 1) % kStages] + pos", T_INDEX_SCORES,
+             "index scores (cp.async ring): a tile is widened from the next tile's ring slot (codes landed or not, "
+             "never written in a one-tile chunk)", focus="decode"),
+    Mutation("index-scores-ring-scale-slot", "indexer", ("Sm80",), ("index scores", "cp.async"), INDEX_SCORES_CUH,
+             "s.scales[tile % kStages][tid]", "s.scales[(tile + 2) % kStages][tid]", T_INDEX_SCORES,
+             "index scores (cp.async ring): a tile's key scales come from the previous tile's ring slot, refilled "
+             "with a later tile's", focus="decode"),
     Mutation("index-topk-ties-later-chunks-first", "indexer", ALL, ("index topk", "split"), INDEX_TOPK_CUH,
              "if (splits > 1 && tid < split) {", "if (splits > 1 && tid > split && tid < splits) {", T_INDEX_TOPK,
              "index top-k: a split row's CTAs rank their tied keys after the later chunks', so ties prefer the "
@@ -572,7 +597,7 @@ MUTATIONS = (
              "for (int64_t w = tid; w < kHistWords / 2; w += kThreads) state[kCounterWords + w] = 0;", T_INDEX_TOPK,
              "index top-k: a split row's last histograms are not reset, so the next launch (a graph replay) adds "
              "to them", focus="workspace or graph"),
-    Mutation("sparse-mask-ignored", "attention", MMA_SYNC, ("sparse", "mask"), MMA_SYNC_CUH,
+    Mutation("sparse-mask-ignored", "attention", MMA_SYNC, ("sparse", "mask"), COMMON_CUH,
              "(j0 + my_col0 + c < row_limit && ((valid >> c) & 1))", "(j0 + my_col0 + c < row_limit && ((valid >> c) | 1))",
              T_SPARSE, "sparse attention: a missing row (-1, outside the cache) scores 0 instead of leaving the softmax",
              focus="pad or range"),

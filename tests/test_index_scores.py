@@ -188,6 +188,38 @@ def test_wider_logits_padded_stride_and_missing_pages(arch):
 
 
 @GPU
+def test_deep_chunks_wrap_the_load_ring():
+    """Chunks of many tiles (here 8 a CTA on an H100), so that every slot of the Sm80 tag's cp.async ring is
+    refilled several times within a CTA."""
+    run_case([131072, 131071, 100000, 130000], [1] * 4, 64, 64, "bf16", None, decode=True)
+
+
+@GPU
+@ALL_ARCHS
+@pytest.mark.parametrize("page_size, holes", [
+    (64, [(0, 3, -1), (0, 9, "past"), (1, 4, -1)]),
+    (4, [(0, 50, -1), (0, 150, "past"), (1, 70, -7)]),
+])
+def test_missing_pages_inside_the_load_ring(page_size, holes, arch):
+    """Table entries without a page (negative, or past the cache) at tiles the ring loads after its first ones,
+    and in a sequence's partial last tile: zero keys there, logit 0."""
+    gen = torch.Generator().manual_seed(9)
+    kv_lens, heads = [1000, 300], 32
+    cache, table = index_cache_for(kv_lens, page_size, gen)
+    for b, page, value in holes:
+        table[b, page] = cache.shape[0] if value == "past" else value
+    q, _ = random_queries(2, heads, "fp16", gen)
+    weights = torch.rand(2, heads, generator=gen).cuda()
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    out = torch.full((2, 1000), float("nan"), device="cuda")
+    mla_kv.index_scores(q, weights, cache, table, lens, 1000, out=out, arch=arch)
+    check_scores(out, q, weights, cache, table, lens, 1000)
+    for b, page, _ in holes:
+        cols = slice(page * page_size, min((page + 1) * page_size, kv_lens[b]))
+        assert (out[b, cols] == 0).all(), f"sequence {b}'s missing page {page} must read as zero keys"
+
+
+@GPU
 def test_cuda_graph_replay():
     gen = torch.Generator().manual_seed(9)
     kv_lens, heads = [701, 65, 2007], 64  # the longest lengths the replays take: their keys are written

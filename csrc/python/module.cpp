@@ -266,7 +266,40 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("ctas_per_sm", &AttentionTiles::ctas_per_sm)
       .def_readonly("min_smem_bytes", &AttentionTiles::min_smem_bytes);
   m.def("attention_tiles", &attention_tiles);
-  m.def("attention_launch_tiles", &attention_launch_tiles);
+  py::enum_<AttentionKernel>(m, "AttentionKernel")
+      .value("mma_sync", AttentionKernel::kMmaSync)
+      .value("wgmma", AttentionKernel::kWgmma)
+      .value("wgmma_narrow", AttentionKernel::kWgmmaNarrow);
+  py::enum_<TileLoadPath>(m, "TileLoadPath")
+      .value("registers", TileLoadPath::kRegisters)
+      .value("cp_async", TileLoadPath::kCpAsync)
+      .value("tma", TileLoadPath::kTma)
+      .value("bulk_copy", TileLoadPath::kBulkCopy);
+  py::enum_<CombineLaunch>(m, "CombineLaunch")
+      .value("none", CombineLaunch::kNone)
+      .value("after", CombineLaunch::kAfter)
+      .value("early", CombineLaunch::kEarly);
+  py::enum_<CacheRows>(m, "CacheRows")
+      .value("paged_table", CacheRows::kPagedTable)
+      .value("block_pointers", CacheRows::kBlockPointers)
+      .value("sparse_slots", CacheRows::kSparseSlots)
+      .value("sparse_blocks", CacheRows::kSparseBlocks);
+  py::class_<AttentionLaunch>(m, "AttentionLaunch")
+      .def_property_readonly("status", [](const AttentionLaunch& l) { return status_string(l.status); })
+      .def_property_readonly("ok", [](const AttentionLaunch& l) { return l.status == Status::kOk; })
+      .def_readonly("tag", &AttentionLaunch::tag)
+      .def_readonly("kernel", &AttentionLaunch::kernel)
+      .def_readonly("loads", &AttentionLaunch::loads)
+      .def_readonly("rows_per_cta", &AttentionLaunch::rows_per_cta)
+      .def_readonly("tiles", &AttentionLaunch::tiles)
+      .def_readonly("pair_merge", &AttentionLaunch::pair_merge)
+      .def_readonly("combine", &AttentionLaunch::combine);
+  m.def(
+      "attention_launch",
+      [](const AttentionParams& p, CacheRows rows, KvFormat format, const PagedCache* paged, Arch arch) {
+        return attention_launch(p, rows, format, paged, arch);
+      },
+      py::arg("params"), py::arg("rows"), py::arg("format"), py::arg("paged").none(true), py::arg("arch"));
   py::class_<AttentionSchedule>(m, "AttentionSchedule")
       .def_readonly("num_splits", &AttentionSchedule::num_splits)
       .def_readonly("tokens_per_split", &AttentionSchedule::tokens_per_split)

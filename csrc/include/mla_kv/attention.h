@@ -93,6 +93,45 @@ AttentionTiles attention_tiles(Arch tag, int64_t rows_per_seq, SmemLimits limits
 // The tiles a launch with these params takes on tag (resolved), as invokeAttention* picks them.
 AttentionTiles attention_launch_tiles(const AttentionParams& params, Arch tag);
 
+// What a launch runs, all of it decided in one place (attention_launch; README's "Kernel variants by
+// arch tag" lists the same choices, and tests/test_attention_launch.py checks that they agree).
+enum class AttentionKernel : int {
+  kMmaSync = 0,      // Sm70 / Sm75 / Sm80: mma.sync tiles of tile_config.h, 16-64 rows per CTA
+  kWgmma = 1,        // Sm90: 64 rows per CTA on wgmma, two warpgroups alternating tiles
+  kWgmmaNarrow = 2,  // Sm90, quantized cache, uniform batch of <= 24 rows per sequence: the heads on N
+};
+enum class TileLoadPath : int {
+  kRegisters = 0,  // the next tile staged in registers
+  kCpAsync = 1,    // cp.async into a shared-memory ring
+  kTma = 2,        // TMA boxes of a 3-D tensor map over the paged cache's blocks
+  kBulkCopy = 3,   // cp.async.bulk by a copy warp, a block's run of rows per copy
+};
+// How the split-KV partials are merged after the attention kernel: not at all (one CTA covers each
+// row's keys), by a combine kernel in stream order, or as a programmatic dependent launch whose CTAs
+// start while the attention grid runs (the Hopper kernels release it as they start).
+enum class CombineLaunch : int { kNone = 0, kAfter = 1, kEarly = 2 };
+// How a launch addresses cache rows: the four entry points below.
+enum class CacheRows : int { kPagedTable = 0, kBlockPointers = 1, kSparseSlots = 2, kSparseBlocks = 3 };
+
+struct AttentionLaunch {
+  Status status = Status::kOk;  // kOk, or what the launch would return before running anything
+  Arch tag = Arch::kAuto;       // the resolved arch tag
+  AttentionKernel kernel = AttentionKernel::kMmaSync;
+  TileLoadPath loads = TileLoadPath::kRegisters;
+  int rows_per_cta = 0;         // (token, head) query rows per CTA: what a plan's block_m must be
+  AttentionTiles tiles{};       // kMmaSync: its tile configuration; Sm90: the 64-row kernel's
+  bool pair_merge = false;      // kWgmmaNarrow with two splits: a cluster of the two CTAs merges them
+  CombineLaunch combine = CombineLaunch::kNone;
+};
+
+// The launch invokeAttention* / invokeSparseAttention* make with these params over rows of `format`
+// addressed as `rows` on tag `arch`: a tag as it is (no device needed: the launch itself checks that
+// the device runs it), kAuto the current device's. `paged`: the paged cache of a kPagedTable launch,
+// whose block size, alignment and size decide TMA (null: assumed to allow it); a driver that cannot
+// encode the tensor map makes the launch take cp.async instead.
+AttentionLaunch attention_launch(const AttentionParams& params, CacheRows rows, KvFormat format,
+                                 const PagedCache* paged, Arch arch);
+
 // A plan computed on the host from sizes only (no device data), so it can be made outside a graph.
 struct AttentionSchedule {
   int num_splits;  // CTAs per (sequence, head block) along the KV

@@ -1,4 +1,6 @@
-// invokeAttention*: schedule, arch/dtype dispatch, and the merge of two attention states.
+// The attention family's one dispatch room: every choice of a launch (attention_launch: tag, kernel,
+// tiles, tile loads, splits' merge) and the schedule and plan sizes that follow from it; invokeAttention*
+// run what it chose.
 #include <algorithm>
 
 #include <cuda_bf16.h>
@@ -7,6 +9,7 @@
 #include "../arch/arch.cuh"
 #include "attention_launch.h"
 #include "plan.h"
+#include "tensor_map.h"
 #include "tile_config.h"
 
 namespace mla_kv {
@@ -28,59 +31,88 @@ int grid_x_for(const AttentionParams& p, int block_m) {
   return ceil_div(p.total_q_tokens * p.num_heads, block_m) + p.batch;
 }
 
-// The variant of tag `tag` for rows of format F.
+// Hopper decode steps over a quantized cache whose (token, head) rows fit N = 16 or 24 columns, in
+// uniform batches (a packed batch's sequences may have more rows: the 64-row kernel takes those),
+// run on the narrow kernel (attention_sm90_narrow.cuh) unless the caller asked for the cp.async
+// tile loads (the 64-row kernel's, which the tests also run): -> N, or 0 for the 64-row kernel.
+// Sparse rows stay on the 64-row kernel, whose loads mask missing rows.
+int narrow_columns(const AttentionParams& p, KvFormat format, CacheRows kind) {
+  if (format == KvFormat::kNone || p.cu_q_lens != nullptr || p.tile_loads != TileLoads::kAuto ||
+      kind == CacheRows::kSparseSlots || kind == CacheRows::kSparseBlocks)
+    return 0;
+  const int64_t rows = int64_t(p.q_len) * p.num_heads;
+  // N = 32 (25-32 rows) spills beside its 128 accumulators: the 64-row kernel takes those.
+  return rows <= 16 ? 16 : rows <= 24 ? 24 : 0;
+}
+
+template <class Rows> constexpr CacheRows cache_rows_of();
+template <> constexpr CacheRows cache_rows_of<PagedTableRows>() { return CacheRows::kPagedTable; }
+template <> constexpr CacheRows cache_rows_of<BlockPointerTableRows>() { return CacheRows::kBlockPointers; }
+template <> constexpr CacheRows cache_rows_of<SparseSlotRows>() { return CacheRows::kSparseSlots; }
+template <> constexpr CacheRows cache_rows_of<SparseBlockRows>() { return CacheRows::kSparseBlocks; }
+
+// The attention kernel of `launch` for rows of format F.
 template <KvFormat F, class Rows>
-Status launch_variant(const AttentionParams& p, const Rows& rows, Arch tag, int config, int grid_x,
-                      cudaStream_t stream) {
+Status launch_kernel(const AttentionParams& p, const Rows& rows, const AttentionLaunch& launch, const CUtensorMap& map,
+                     int grid_x, cudaStream_t stream) {
   using namespace attention_detail;
-  if (uses_wgmma(tag)) {
-    return p.dtype == DType::kBFloat16 ? launch_attention_wgmma<__nv_bfloat16, Rows, F>(p, rows, grid_x, stream)
-                                       : launch_attention_wgmma<__half, Rows, F>(p, rows, grid_x, stream);
+  const int config = launch.tiles.config;
+  if (launch.kernel != AttentionKernel::kMmaSync) {
+    return p.dtype == DType::kBFloat16
+               ? launch_attention_wgmma<__nv_bfloat16, Rows, F>(p, rows, launch, map, grid_x, stream)
+               : launch_attention_wgmma<__half, Rows, F>(p, rows, launch, map, grid_x, stream);
   }
   if (p.dtype == DType::kBFloat16) return launch_attention<arch::Sm80, __nv_bfloat16, Rows, F>(p, rows, config, grid_x, stream);
-  switch (tag) {
+  switch (launch.tag) {
     case Arch::kSm70: return launch_attention<arch::Sm70, __half, Rows, F>(p, rows, config, grid_x, stream);
     case Arch::kSm75: return launch_attention<arch::Sm75, __half, Rows, F>(p, rows, config, grid_x, stream);
     default: return launch_attention<arch::Sm80, __half, Rows, F>(p, rows, config, grid_x, stream);
   }
 }
 
-// Query rows per CTA of the kernel a launch with these params runs on tag (0: none fits).
-int launch_rows(const AttentionParams& p, Arch tag, KvFormat format) {
-  const int narrow = uses_wgmma(tag) ? attention_detail::narrow_columns(p, format) : 0;
-  return narrow != 0 ? narrow : attention_launch_tiles(p, tag).block_m;
-}
-
 template <class Rows>
-Status launch_format(const AttentionParams& p, const Rows& rows, Arch tag, int config, int grid_x, cudaStream_t stream) {
+Status launch_format(const AttentionParams& p, const Rows& rows, const AttentionLaunch& launch, const CUtensorMap& map,
+                     int grid_x, cudaStream_t stream) {
   switch (rows.cache.row.format) {
-    case KvFormat::kNone: return launch_variant<KvFormat::kNone>(p, rows, tag, config, grid_x, stream);
-    case KvFormat::kFp8: return launch_variant<KvFormat::kFp8>(p, rows, tag, config, grid_x, stream);
-    case KvFormat::kFp8DsMla: return launch_variant<KvFormat::kFp8DsMla>(p, rows, tag, config, grid_x, stream);
-    case KvFormat::kInt8: return launch_variant<KvFormat::kInt8>(p, rows, tag, config, grid_x, stream);
-    case KvFormat::kInt4: return launch_variant<KvFormat::kInt4>(p, rows, tag, config, grid_x, stream);
+    case KvFormat::kNone: return launch_kernel<KvFormat::kNone>(p, rows, launch, map, grid_x, stream);
+    case KvFormat::kFp8: return launch_kernel<KvFormat::kFp8>(p, rows, launch, map, grid_x, stream);
+    case KvFormat::kFp8DsMla: return launch_kernel<KvFormat::kFp8DsMla>(p, rows, launch, map, grid_x, stream);
+    case KvFormat::kInt8: return launch_kernel<KvFormat::kInt8>(p, rows, launch, map, grid_x, stream);
+    case KvFormat::kInt4: return launch_kernel<KvFormat::kInt4>(p, rows, launch, map, grid_x, stream);
   }
   return Status::kUnsupportedFormat;
 }
+
+const PagedCache* paged_cache_of(const PagedTableRows& rows) { return &rows.cache; }
+template <class Rows> const PagedCache* paged_cache_of(const Rows&) { return nullptr; }
 
 template <class Rows>
 Status dispatch(const AttentionParams& p, const Rows& rows, Arch arch, cudaStream_t stream) {
   if (p.dtype == DType::kFloat32) return Status::kUnsupportedDType;
   if (p.plan == nullptr && check_attention_splits(p.num_splits, p.tokens_per_split, 0) != Status::kOk)
     return Status::kInvalidArgument;
-  const Arch tag = resolve_arch(arch, device_compute_capability());
+  const Arch tag = resolve_arch(arch, device_compute_capability());  // (a tag this device runs, or none)
   if (tag == Arch::kAuto) return Status::kUnsupportedArch;
-  if (p.dtype == DType::kBFloat16 && !tag_has_bf16(tag)) return Status::kUnsupportedDType;
-  // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows).
-  if (p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0) return Status::kOk;
+  AttentionLaunch launch = attention_launch(p, cache_rows_of<Rows>(), rows.cache.row.format, paged_cache_of(rows), tag);
+  // An empty batch launches nothing, so it needs no workspace (its size is 0 for 0 query rows) and no
+  // tiles that fit.
+  const bool empty = p.batch == 0 || p.total_q_tokens == 0 || p.num_heads == 0;
+  if (launch.status != Status::kOk && !(empty && launch.status == Status::kSharedMemoryExceeded)) return launch.status;
+  if (empty) return Status::kOk;
   if ((p.plan != nullptr || p.num_splits > 1) && p.workspace == nullptr) return Status::kInvalidArgument;
-  const AttentionTiles tiles = attention_launch_tiles(p, tag);
-  if (tiles.block_m == 0) return Status::kSharedMemoryExceeded;
   // A plan made for other rows per CTA would hand the kernel rows it does not cover.
-  if (p.plan != nullptr && (p.plan_sizes.block_m != launch_rows(p, tag, rows.cache.row.format) ||
-                            p.plan_sizes.max_items < 1))
+  if (p.plan != nullptr && (p.plan_sizes.block_m != launch.rows_per_cta || p.plan_sizes.max_items < 1))
     return Status::kInvalidArgument;
-  return launch_format(p, rows, tag, tiles.config, grid_x_for(p, tiles.block_m), stream);
+  CUtensorMap map{};
+  if constexpr (std::is_same_v<Rows, PagedTableRows>) {
+    // (a driver without the encoder, or one refusing the map: the same kernel with cp.async)
+    if (launch.loads == TileLoadPath::kTma && !attention_detail::sm90::make_tile_map(p, rows.cache, map))
+      launch.loads = TileLoadPath::kCpAsync;
+  }
+  const Status st = launch_format(p, rows, launch, map, grid_x_for(p, launch.tiles.block_m), stream);
+  if (st != Status::kOk || launch.combine == CombineLaunch::kNone) return st;
+  return p.dtype == DType::kBFloat16 ? attention_detail::launch_combine<__nv_bfloat16>(p, launch.combine, stream)
+                                     : attention_detail::launch_combine<__half>(p, launch.combine, stream);
 }
 
 // Sparse attention: T one-token "sequences" whose positions are their index rows (attention.h).
@@ -135,6 +167,40 @@ AttentionTiles attention_launch_tiles(const AttentionParams& p, Arch tag) {
   return attention_tiles(tag, rows_per_seq, p.smem_limits);
 }
 
+AttentionLaunch attention_launch(const AttentionParams& p, CacheRows kind, KvFormat format, const PagedCache* paged,
+                                 Arch arch) {
+  AttentionLaunch l;
+  if (p.dtype == DType::kFloat32) { l.status = Status::kUnsupportedDType; return l; }
+  l.tag = arch == Arch::kAuto ? resolve_arch(arch, device_compute_capability()) : arch;
+  if (l.tag == Arch::kAuto) { l.status = Status::kUnsupportedArch; return l; }
+  if (p.dtype == DType::kBFloat16 && !tag_has_bf16(l.tag)) { l.status = Status::kUnsupportedDType; return l; }
+  l.tiles = attention_launch_tiles(p, l.tag);
+  if (l.tiles.block_m == 0) l.status = Status::kSharedMemoryExceeded;
+  l.rows_per_cta = l.tiles.block_m;
+  if (uses_wgmma(l.tag)) {
+    const int columns = narrow_columns(p, format, kind);
+    if (columns != 0) {
+      l.kernel = AttentionKernel::kWgmmaNarrow;
+      l.loads = TileLoadPath::kBulkCopy;
+      l.rows_per_cta = columns;
+      l.pair_merge = p.plan == nullptr && p.num_splits == 2;
+    } else {
+      l.kernel = AttentionKernel::kWgmma;
+      const bool tma = kind == CacheRows::kPagedTable && format == KvFormat::kNone &&
+                       attention_detail::sm90::tile_map_fits(p, paged);
+      l.loads = tma ? TileLoadPath::kTma : TileLoadPath::kCpAsync;
+    }
+  } else {
+    l.kernel = AttentionKernel::kMmaSync;
+    // A quantized cache dequantizes from registers: a ring configuration runs its register twin.
+    l.loads = l.tiles.stages > 1 && format == KvFormat::kNone ? TileLoadPath::kCpAsync : TileLoadPath::kRegisters;
+  }
+  const bool splits_left = p.plan != nullptr || (p.num_splits > 1 && !l.pair_merge);
+  l.combine = !splits_left ? CombineLaunch::kNone
+              : l.kernel == AttentionKernel::kMmaSync ? CombineLaunch::kAfter : CombineLaunch::kEarly;
+  return l;
+}
+
 AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, int64_t max_kv_len,
                                           int sm_count, Arch arch, SmemLimits limits) {
   if (arch == Arch::kAuto) arch = resolve_arch(arch, device_compute_capability());
@@ -156,9 +222,11 @@ AttentionSchedule make_attention_schedule(int batch, int q_len, int num_heads, i
 AttentionPlanSizes attention_plan_sizes(const AttentionParams& p, KvFormat format, Arch arch, int sm_count) {
   if (arch == Arch::kAuto) arch = resolve_arch(arch, device_compute_capability());
   AttentionPlanSizes s{};
-  const int rows = arch == Arch::kAuto ? 0 : launch_rows(p, arch, format);
+  // (a plan's rows are those of either dense addressing: the kernel does not depend on it)
+  const AttentionLaunch launch = attention_launch(p, CacheRows::kPagedTable, format, nullptr, arch);
+  const int rows = launch.status == Status::kOk ? launch.rows_per_cta : 0;
   if (rows == 0 || p.batch > kMaxPlanBatch || sm_count < 1) return s;
-  const bool narrow = uses_wgmma(arch) && attention_detail::narrow_columns(p, format) != 0;
+  const bool narrow = launch.kernel == AttentionKernel::kWgmmaNarrow;
   const int slots = sm_count * (narrow ? 1 : std::max(1, attention_launch_tiles(p, arch).ctas_per_sm));
   // Bounds whatever the lengths (plan.cu): a unit is split only where its cost passes the chunk,
   // itself at least the batch's work over the slots, so there are fewer than `slots` split units,

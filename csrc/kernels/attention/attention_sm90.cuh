@@ -744,27 +744,18 @@ Status launch(const AttentionParams& p, const Rows& rows, const CUtensorMap& map
 }  // namespace sm90
 
 template <class T, class Rows, KvFormat F>
-Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, int grid_x, cudaStream_t stream) {
-  CUtensorMap map{};
-  Status st;
+Status launch_attention_wgmma(const AttentionParams& p, const Rows& rows, const AttentionLaunch& launch,
+                              const CUtensorMap& map, int grid_x, cudaStream_t stream) {
   if constexpr (narrow::supports(F) && !Rows::kMasksMissing) {
-    const int columns = narrow_columns(p, F);
-    if (columns != 0) {
-      st = columns == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, stream) : narrow::launch<T, Rows, F, 24>(p, rows, stream);
-      if (st != Status::kOk) return st;
-      AttentionParams left = p;  // the splits that the kernel's pairs left (a plan's combine merges them all)
-      if (p.plan == nullptr) left.num_splits = narrow::combined_splits(p.num_splits);
-      return launch_combine<T>(left, CombineLaunch::kEarly, stream);
+    if (launch.kernel == AttentionKernel::kWgmmaNarrow) {
+      return launch.rows_per_cta == 16 ? narrow::launch<T, Rows, F, 16>(p, rows, launch.pair_merge, stream)
+                                       : narrow::launch<T, Rows, F, 24>(p, rows, launch.pair_merge, stream);
     }
   }
   if constexpr (std::is_same_v<Rows, PagedTableRows> && F == KvFormat::kNone) {
-    st = sm90::make_tile_map(p, rows, map) ? sm90::launch<T, Rows, true, F>(p, rows, map, grid_x, stream)
-                                               : sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
-  } else {
-    st = sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
+    if (launch.loads == TileLoadPath::kTma) return sm90::launch<T, Rows, true, F>(p, rows, map, grid_x, stream);
   }
-  if (st != Status::kOk) return st;
-  return launch_combine<T>(p, CombineLaunch::kEarly, stream);
+  return sm90::launch<T, Rows, false, F>(p, rows, map, grid_x, stream);
 }
 
 }  // namespace attention_detail

@@ -443,9 +443,6 @@ __device__ __forceinline__ void merge_pair(const AttentionParams& p, const Work&
   arch::cluster_sync();  // the other CTA has read this one's rows: its shared memory may go
 }
 
-// The splits a launch leaves to the combine: a launch of two merges them in the kernel (merge_pair).
-inline int combined_splits(int num_splits) { return num_splits == 2 ? 1 : num_splits; }
-
 // kPair: a launch of two splits as clusters of two CTAs (merge_pair). Its own instantiation: a runtime
 // flag changed the per-split kernel's code throughout (its tile loop rescheduled, the copy warp's loop
 // off the uniform datapath) and cost it 0.4-1.8 us a call (H100, B = 8 ctx 32K).
@@ -1074,9 +1071,9 @@ __global__ void __launch_bounds__(Groups<F, N>::kThreads, 1) attention_narrow_ke
   }
 }
 
+// pair: two splits merged by a cluster of the two CTAs of the same rows (attention_launch's pair_merge).
 template <class T, class Rows, KvFormat F, int N>
-Status launch(const AttentionParams& p, const Rows& rows, cudaStream_t stream) {
-  const bool pair = p.plan == nullptr && combined_splits(p.num_splits) != p.num_splits;
+Status launch(const AttentionParams& p, const Rows& rows, bool pair, cudaStream_t stream) {
   const auto kernel = pair ? attention_narrow_kernel<T, Rows, F, N, true> : attention_narrow_kernel<T, Rows, F, N, false>;
   constexpr int kBytes = int(Smem<F, N>::kBytes);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess)

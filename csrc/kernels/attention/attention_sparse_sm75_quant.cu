@@ -1,4 +1,4 @@
 // Turing: mma.m16n8k8, fp16 sparse attention variant over the quantized caches.
-#include "mma_sync.cuh"
+#include "attention_mma_sync.cuh"
 
 MLA_KV_INSTANTIATE_SPARSE_ATTENTION_QUANTIZED(mla_kv::arch::Sm75, __half)

@@ -1,4 +1,4 @@
 // Ampere+: mma.m16n8k16, bf16 sparse attention variant over the quantized caches.
-#include "mma_sync.cuh"
+#include "attention_mma_sync.cuh"
 
 MLA_KV_INSTANTIATE_SPARSE_ATTENTION_QUANTIZED(mla_kv::arch::Sm80, __nv_bfloat16)

@@ -1,6 +1,8 @@
-// What every attention kernel shares (the mma.sync kernel of mma_sync.cuh and the Hopper kernel of
+// What every attention kernel shares (the mma.sync kernel of attention_mma_sync.cuh and the Hopper kernel of
 // attention_sm90.cuh): which sequence, rows and kv range a CTA owns, the kv limit of a row under the
-// causal mask, the online-softmax pieces, and the query-row addressing.
+// causal mask, the online-softmax pieces, and the query-row addressing; and the per-tile Q.K^T, softmax
+// and P.V of the mma.sync kernels, which the expanded-form kernel (../expanded/expanded_attention.cuh)
+// runs too.
 // Reference: python/mla_kv/reference (decode, prefill).
 #pragma once
 
@@ -129,6 +131,153 @@ template <bool kFlushDenormals = false>
 __device__ __forceinline__ float rescale_factor(float old_max, float new_max) {
   if (new_max == old_max) return 1.f;
   return kFlushDenormals ? arch::exp2_ftz(old_max - new_max) : exp2f(old_max - new_max);
+}
+
+// ---- One KV tile's Q.K^T, softmax and P.V in the mma.sync kernels (attention_mma_sync.cuh, expanded_attention.cuh)
+// The tile's scores wait in shared memory as kSplitK partial kBlockM x kBlockN fp32 tiles, one per slice
+// of the Q.K^T contraction (partial s from row s * kBlockM, kScorePitch floats a row); P goes back as the
+// P.V product's 16-bit A operand (row r at Mma::a_row(r), kProbPitch elements a row). Softmax ownership:
+// kRowThreads consecutive threads, lanes of one warp, share a row, each holding kRowCols consecutive
+// columns of it.
+template <int kThreads, int kBlockM_, int kBlockN_, int kSplitK_, int kScorePitch_, int kProbPitch_>
+struct ScoreTiles {
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kSplitK = kSplitK_;
+  static constexpr int kScorePitch = kScorePitch_, kProbPitch = kProbPitch_;
+  static constexpr int kRowThreads = kThreads / kBlockM;
+  static constexpr int kRowCols = kBlockN / kRowThreads;
+  static constexpr int kScoreVec = kRowCols < 4 ? kRowCols : 4;  // floats per shared-memory read
+  static_assert(kRowThreads <= 32 && (kRowThreads & (kRowThreads - 1)) == 0 && kRowThreads * kRowCols == kBlockN,
+                "a row's threads must be a power-of-two group of one warp's lanes: they reduce by shuffles");
+  __device__ __forceinline__ static int row_of(int tid) { return tid / kRowThreads; }
+  __device__ __forceinline__ static int col0_of(int tid) { return (tid % kRowThreads) * kRowCols; }
+};
+
+// S = Q.K^T partial of this warp's kTilesM x kTilesN 16 x 16 score tiles over one kKSlice-wide slice of the
+// contraction: Q rows from q_slice, K rows from k_slice (kPitch elements a row, both at the slice's first
+// column), the sums to out_s rows st_m.. and columns st_n.. (kScorePitch floats a row). The next step's
+// fragments load during this step's mma (two fragment buffers, resolved at compile time by the full
+// unroll). A one-tile warp keeps two accumulator sets (even and odd k steps): half as long chains of
+// dependent mma; bigger warp tiles have independent chains already.
+template <class Mma, int kTilesM, int kTilesN, int kKSlice, int kPitch, int kScorePitch, class T>
+__device__ __forceinline__ void qk_partial_scores(const T* q_slice, const T* k_slice, float* out_s, int st_m, int st_n,
+                                                  int lane) {
+  constexpr int kAccSets = kTilesM * kTilesN == 1 ? 2 : 1;
+  float s_acc[kAccSets][kTilesM][kTilesN][8] = {};
+  typename Mma::FragA qa[2][kTilesM];
+  typename Mma::FragB kb[2][kTilesN];
+  auto load = [&](int buf, int k) MLA_KV_INLINE_LAMBDA {
+#pragma unroll
+    for (int i = 0; i < kTilesM; ++i) Mma::load_a(qa[buf][i], q_slice + 16 * i * kPitch + k, kPitch, lane);
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kPitch + k, kPitch, lane);
+  };
+  load(0, 0);
+#pragma unroll
+  for (int k = 0; k < kKSlice; k += 16) {
+    const int buf = (k / 16) & 1;
+    if (k + 16 < kKSlice) load(buf ^ 1, k + 16);
+#pragma unroll
+    for (int i = 0; i < kTilesM; ++i)
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) Mma::mma(s_acc[buf % kAccSets][i][j], qa[buf][i], kb[buf][j]);
+  }
+#pragma unroll
+  for (int i = 0; i < kTilesM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        out_s[(st_m + 16 * i + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
+            s_acc[0][i][j][e] + (kAccSets > 1 ? s_acc[kAccSets - 1][i][j][e] : 0.f);
+}
+
+// The online softmax of my row's columns of the tile that starts at kv position j0 (partials read and P
+// written as vectors): partials summed, keys at or past row_limit or whose bit of valid is clear masked
+// to -inf (valid: bit c for my column c, whether its row exists; ~0u unless sparse indices leave rows
+// missing), P = 2^(score - running max) stored, row_max / row_sum moved on and the row's rescale factor
+// left in alpha_s. Returns whether any row rescales; that block barrier also publishes P and alpha_s.
+// The mask takes values, not a predicate functor: with a lambda, clang sank the partials' loads into a
+// branch and split their vector loads. kProbsInScores: P overwrites the partials (Turing's tile, where
+// a_row is the identity); row r's P overwrites only row r's partials, which the warp's own lanes read
+// here, and the warp barrier orders those reads before these stores.
+template <class Tiles, class Mma, bool kProbsInScores, class T>
+__device__ __forceinline__ bool online_softmax_tile(const float* score_s, T* prob_s, float* alpha_s, int my_row,
+                                                    int my_col0, float scale_log2, int j0, int row_limit,
+                                                    uint32_t valid, float& row_max, float& row_sum) {
+  constexpr int kRowThreads = Tiles::kRowThreads, kRowCols = Tiles::kRowCols, kScoreVec = Tiles::kScoreVec;
+  using ScoreVec = arch::Vec<float, kScoreVec>;
+  float sc[kRowCols];
+#pragma unroll
+  for (int c = 0; c < kRowCols; ++c) sc[c] = 0.f;
+#pragma unroll
+  for (int part = 0; part < Tiles::kSplitK; ++part)
+#pragma unroll
+    for (int c = 0; c < kRowCols; c += kScoreVec) {
+      const float* partial = score_s + (part * Tiles::kBlockM + my_row) * Tiles::kScorePitch + my_col0 + c;
+      const ScoreVec x = *reinterpret_cast<const ScoreVec*>(partial);
+#pragma unroll
+      for (int e = 0; e < kScoreVec; ++e) sc[c + e] += x.v[e];
+    }
+  float tile_max = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < kRowCols; ++c) {
+    sc[c] = (j0 + my_col0 + c < row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;
+    tile_max = fmaxf(tile_max, sc[c]);
+  }
+#pragma unroll
+  for (int m = kRowThreads / 2; m > 0; m >>= 1)
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
+  const float new_max = raised_max(row_max, tile_max);
+  const float alpha = rescale_factor(row_max, new_max);
+  float tile_sum = 0.f;
+  arch::Vec<T, kRowCols> pv;
+#pragma unroll
+  for (int c = 0; c < kRowCols; ++c) {
+    const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
+    tile_sum += pr;
+    pv.v[c] = arch::from_float<T>(pr);
+  }
+  if constexpr (kProbsInScores) __syncwarp();
+  arch::store<T, kRowCols>(prob_s + Mma::a_row(my_row) * Tiles::kProbPitch + my_col0, pv);
+#pragma unroll
+  for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
+  row_sum = row_sum * alpha + tile_sum;
+  row_max = new_max;
+  if (my_col0 == 0) alpha_s[my_row] = alpha;
+  return __syncthreads_or(alpha != 1.f);
+}
+
+// O = O * alpha + P.V over the tile, after online_softmax_tile: acc holds this warp's kTilesM x kTilesN
+// 16 x 16 output tiles (columns col0 + 16 nt of every row), rescaled by alpha_s only when some row's max
+// moved; V is the tile's kBlockN rows at v_tile, kVPitch elements apart. Each P fragment is loaded once
+// per k step for all column tiles.
+template <class Tiles, class Mma, int kVPitch, class T, int kTilesM, int kTilesN>
+__device__ __forceinline__ void accumulate_pv(float (&acc)[kTilesM][kTilesN][8], bool rescale, const float* alpha_s,
+                                              const T* prob_s, const T* v_tile, int col0, int lane) {
+  constexpr int kProbPitch = Tiles::kProbPitch;
+  if (rescale) {
+#pragma unroll
+    for (int mt = 0; mt < kTilesM; ++mt)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
+#pragma unroll
+        for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
+      }
+  }
+#pragma unroll
+  for (int k = 0; k < Tiles::kBlockN; k += 16) {
+    typename Mma::FragA pa[kTilesM];
+#pragma unroll
+    for (int mt = 0; mt < kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
+#pragma unroll
+    for (int nt = 0; nt < kTilesN; ++nt) {
+      typename Mma::FragB vb;
+      Mma::load_b_kn(vb, v_tile + k * kVPitch + col0 + nt * 16, kVPitch, lane);
+#pragma unroll
+      for (int mt = 0; mt < kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
+    }
+  }
 }
 
 // Two attention states over disjoint key sets, merged by their lse (natural log): each state's weight

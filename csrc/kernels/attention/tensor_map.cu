@@ -33,14 +33,16 @@ EncodeTiled encode_tiled() {
 
 }  // namespace
 
-bool make_tile_map(const AttentionParams& p, const PagedTableRows& rows, CUtensorMap& map) {
-  const PagedCache& c = rows.cache;
+bool tile_map_fits(const AttentionParams& p, const PagedCache* c) {
   // A plan's kv ranges start on 64-token tiles (plan.cu), a uniform split's on tokens_per_split.
   if (p.tile_loads != TileLoads::kAuto || (p.plan == nullptr && p.tokens_per_split % kTmaBoxTokens != 0)) return false;
-  if (!(c.block_size == 16 || c.block_size == 32 || c.block_size % kTmaBoxTokens == 0)) return false;
-  if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.row.row_stride_bytes % 16 != 0 ||
-      c.block_stride_bytes % 16 != 0 || c.num_blocks >= (int64_t(1) << 31))
-    return false;
+  if (c == nullptr) return true;
+  if (!(c->block_size == 16 || c->block_size == 32 || c->block_size % kTmaBoxTokens == 0)) return false;
+  return reinterpret_cast<uintptr_t>(c->base) % 16 == 0 && c->row.row_stride_bytes % 16 == 0 &&
+         c->block_stride_bytes % 16 == 0 && c->num_blocks < (int64_t(1) << 31);
+}
+
+bool make_tile_map(const AttentionParams& p, const PagedCache& c, CUtensorMap& map) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(kRowDim), cuuint64_t(c.block_size), cuuint64_t(c.num_blocks)};

@@ -19,10 +19,12 @@
 namespace mla_kv {
 namespace expanded_detail {
 
+using attention_detail::accumulate_pv;
 using attention_detail::kLn2;
 using attention_detail::kLog2e;
-using attention_detail::raised_max;
-using attention_detail::rescale_factor;
+using attention_detail::online_softmax_tile;
+using attention_detail::qk_partial_scores;
+using attention_detail::ScoreTiles;
 
 // The rows a CTA owns: query tokens [row0, row0 + rows) of sequence b, head h, and the keys
 // [0, kv_hi) they can see.
@@ -118,11 +120,9 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
       }
     };
 
-    // Softmax ownership: kRowThreads consecutive threads (one warp's lanes) share a row.
-    constexpr int kRowThreads = kThreads / kBlockM;
-    constexpr int kRowCols = kBlockN / kRowThreads;
-    constexpr int kScoreVec = kRowCols < 4 ? kRowCols : 4;
-    const int my_row = tid / kRowThreads, my_col0 = (tid % kRowThreads) * kRowCols;
+    // Softmax ownership: consecutive threads (one warp's lanes) share a row (common.cuh ScoreTiles).
+    using Scores = ScoreTiles<kThreads, kBlockM, kBlockN, kSplitK, kScorePitch, kProbPitch>;
+    const int my_row = Scores::row_of(tid), my_col0 = Scores::col0_of(tid);
     int row_limit = -1;  // keys < row_limit are visible to my row
     if (my_row < w.rows)
       row_limit = p.causal ? min(w.kv_hi, w.k_len - w.q_len + w.row0 + my_row + 1) : w.kv_hi;
@@ -150,107 +150,21 @@ __global__ void __launch_bounds__(kThreads, 1) expanded_attention_kernel(const E
       __syncthreads();  // this tile (and, first time, Q) visible to every warp
       if (j0 + kBlockN < w.kv_hi) issue(j0 + kBlockN);
 
-      {  // S partial over this warp's slice; the next step's fragments load during this step's mma.
-        // A one-tile warp keeps two accumulator sets (even / odd k steps): half as long chains of
-        // dependent mma; two tiles are independent chains already.
-        constexpr int kAccSets = kQkTilesN == 1 ? 2 : 1;
-        float s_acc[kAccSets][kQkTilesN][8] = {};
-        typename Mma::FragA qa[2];
-        typename Mma::FragB kb[2][kQkTilesN];
-        // 16-byte aligned (pitches and slices are multiples of 8 elements): said, so that the
-        // fragment loads of one row merge into 16-byte ones.
+      {  // S partial over this warp's slice (common.cuh), one row of score tiles. The slices are 16-byte
+         // aligned (pitches and slices are multiples of 8 elements): said, so that the fragment loads of one
+         // row merge into 16-byte ones.
         const T* q_slice = static_cast<const T*>(__builtin_assume_aligned(q_s + st_m * kQkPitch + ks * kKSlice, 16));
         const T* k_slice = static_cast<const T*>(__builtin_assume_aligned(k_s + st_n * kQkPitch + ks * kKSlice, 16));
-        auto load = [&](int buf, int kk) MLA_KV_INLINE_LAMBDA {
-          Mma::load_a(qa[buf], q_slice + kk, kQkPitch, lane);
-#pragma unroll
-          for (int j = 0; j < kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kQkPitch + kk, kQkPitch, lane);
-        };
-        load(0, 0);
-#pragma unroll
-        for (int kk = 0; kk < kKSlice; kk += 16) {
-          const int buf = (kk / 16) & 1;
-          if (kk + 16 < kKSlice) load(buf ^ 1, kk + 16);
-#pragma unroll
-          for (int j = 0; j < kQkTilesN; ++j) Mma::mma(s_acc[buf % kAccSets][j], qa[buf], kb[buf][j]);
-        }
-        float* out_s = score_s + ks * kBlockM * kScorePitch;
-#pragma unroll
-        for (int j = 0; j < kQkTilesN; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            out_s[(st_m + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
-                s_acc[0][j][e] + (kAccSets > 1 ? s_acc[kAccSets - 1][j][e] : 0.f);
+        qk_partial_scores<Mma, 1, kQkTilesN, kKSlice, kQkPitch, kScorePitch>(
+            q_slice, k_slice, score_s + ks * kBlockM * kScorePitch, st_m, st_n, lane);
       }
       __syncthreads();
 
-      bool rescale;
-      {  // online softmax of my row's columns
-        float sc[kRowCols];
-        using ScoreVec = arch::Vec<float, kScoreVec>;
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) sc[c] = 0.f;
-#pragma unroll
-        for (int part = 0; part < kSplitK; ++part)
-#pragma unroll
-          for (int c = 0; c < kRowCols; c += kScoreVec) {
-            const ScoreVec x =
-                *reinterpret_cast<const ScoreVec*>(score_s + (part * kBlockM + my_row) * kScorePitch + my_col0 + c);
-#pragma unroll
-            for (int e = 0; e < kScoreVec; ++e) sc[c + e] += x.v[e];
-          }
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) {
-          sc[c] = j0 + my_col0 + c < row_limit ? sc[c] * scale_log2 : -INFINITY;
-          tile_max = fmaxf(tile_max, sc[c]);
-        }
-#pragma unroll
-        for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
-        const float new_max = raised_max(row_max, tile_max);
-        const float alpha = rescale_factor(row_max, new_max);
-        float tile_sum = 0.f;
-        arch::Vec<T, kRowCols> pv;
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) {
-          const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
-          tile_sum += pr;
-          pv.v[c] = arch::from_float<T>(pr);
-        }
-        arch::store<T, kRowCols>(prob_s + Mma::a_row(my_row) * kProbPitch + my_col0, pv);
-#pragma unroll
-        for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
-        row_sum = row_sum * alpha + tile_sum;
-        row_max = new_max;
-        if (my_col0 == 0) alpha_s[my_row] = alpha;
-        rescale = __syncthreads_or(alpha != 1.f);
-      }
-
-      {  // O = O * alpha + P.V; each P fragment is loaded once per k step for all column tiles
-        if (rescale) {
-#pragma unroll
-          for (int mt = 0; mt < kTilesM; ++mt)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
-#pragma unroll
-              for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < kBlockN; kk += 16) {
-          typename Mma::FragA pa[kTilesM];
-#pragma unroll
-          for (int mt = 0; mt < kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + kk, kProbPitch, lane);
-#pragma unroll
-          for (int nt = 0; nt < kTilesN; ++nt) {
-            typename Mma::FragB vb;
-            Mma::load_b_kn(vb, v_s + kk * kVPitch + col0 + nt * 16, kVPitch, lane);
-#pragma unroll
-            for (int mt = 0; mt < kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
-          }
-        }
-      }
+      // Online softmax of my row's columns (every key row exists: valid ~0u), then O = O * alpha + P.V
+      // (common.cuh).
+      const bool rescale = online_softmax_tile<Scores, Mma, false>(
+          score_s, prob_s, alpha_s, my_row, my_col0, scale_log2, j0, row_limit, ~0u, row_max, row_sum);
+      accumulate_pv<Scores, Mma, kVPitch>(acc, rescale, alpha_s, prob_s, v_s, col0, lane);
       __syncthreads();  // K, V and P are rewritten next
     }
 

@@ -10,7 +10,10 @@
 // where q16 = q / q_factor exactly: q_factor = 1 for fp16 q, the e4m3 scale for e4m3 q, and a power of
 // two that brings the row's amax into [2^14, 2^15) for bf16 q (bf16 values are exact in fp16 within
 // 2^24 of the row's amax). So the products are exact and only the fp32 sums round.
-// Loads run a tile ahead: cp.async on Sm80+, registers on Volta / Turing.
+// Loads run ahead of the math. On Sm80+ a ring of kStages cp.async slots (a tile's codes and its positions'
+// scales) keeps up to kStages tiles in flight, a slot refilled as soon as its tile is widened: enough bytes
+// in flight at 4 CTAs per SM that memory latency no longer paces a chunk (the SM's shared-memory traffic and
+// issue rate do). Volta / Turing (no cp.async) stage one tile ahead in registers.
 // Reference: python/mla_kv/reference/indexer.py (index_scores).
 #pragma once
 
@@ -33,8 +36,11 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 64;   // query rows per CTA
 constexpr int kTile = 64;   // positions per tile
 constexpr int kPitch = kIndexDim + 8;  // fp16 row pitch in shared memory: 272 B, conflict-free ldmatrix
-constexpr int kCodePitch = kIndexDim + 16;  // a code row's pitch in the cp.async stages: 144 B
 constexpr int kChunksPerTile = kTile * kIndexDim / 16;  // 16-byte pieces of a tile's codes
+// cp.async ring depth. 3 slots (25 KB) keep Smem at 45.5 KB, under the 48 KB static limit, and the CTAs per
+// SM where they were: 4 on H100 and 3 on A100 (registers bound both), 2 on sm_86 / sm_89 (100 KB of shared
+// memory). A 4th slot would need dynamic shared memory and leave sm_86 / sm_89 one CTA per SM.
+constexpr int kStages = 3;
 
 // Warp layout of tag A: 32 rows x 32 positions where the A fragments of 32 rows fit in registers
 // (Sm75 / Sm80 ldmatrix fragments, 4 registers per 16x16), 16 rows x 64 positions on Volta (8).
@@ -49,14 +55,36 @@ struct Layout {
   static constexpr bool kCpAsync = A::kMinCudaArch >= 800;
 };
 
+// The cp.async ring: per slot a tile's raw codes (position-major, 128 B rows) and its positions' scales.
+// Volta / Turing have none. A row's 16-byte pieces are stored swizzled, piece j at chunk ring_chunk(pos, j),
+// so that both the copies (a lane pair per position, pieces 2i and 2i + 1 at step i: 4 positions per
+// quarter warp) and the widening (a quarter warp per position) hit 8 distinct chunks: no bank conflict.
 template <bool kCpAsync>
-struct Smem {
+struct Ring {
+  alignas(16) uint8_t codes[kStages][kTile * kIndexDim];
+  float scales[kStages][kTile];
+};
+template <>
+struct Ring<false> {};
+
+template <bool kCpAsync>
+struct Smem : Ring<kCpAsync> {
   alignas(16) __half keys[kTile * kPitch];  // the tile's keys in fp16; q before the main loop
-  alignas(16) uint8_t codes[kCpAsync ? 2 : 1][kTile * kCodePitch];  // cp.async stages of the raw codes
-  float key_scale[2][kTile];
+  float key_scale[2][kTile];  // by tile parity: emit reads a tile's after its ring slot is refilled
   float row_sums[2][kRows / 16][kTile];  // per 16-row tile and position, by tile parity
   float row_weight[kRows];
 };
+
+// A 4-byte asynchronous copy (cp.async.cg takes 16 bytes only); a false `valid` writes 4 zero bytes without
+// reading `src`.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
+#endif
+}
+
+__device__ __forceinline__ int ring_chunk(int pos, int j) { return j ^ ((pos & 3) << 1); }
 
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
 
@@ -99,6 +127,76 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
       for (int j = 0; j < tokens; ++j) out0[j * p.logits_stride + col] = -INFINITY;
     }
     if (tiles == 0) return;
+
+    // Tile loads: position pos's page base and offset in it; false: a zero key (no page, or past scored_end),
+    // whose bytes are not read (the page base is then page 0's). In 32 bits: scored_end <= kv_len is an int,
+    // page ids are ints. The table is read at min(pos, scored_end - 1), an entry that exists, so that the
+    // lookups are unconditional loads that issue together, not a round trip each.
+    const int* table = p.block_table + int64_t(b) * p.block_table_stride;
+    const unsigned scored = unsigned(scored_end), page_size = unsigned(cache.page_size);
+    const unsigned blocks = unsigned(min(cache.num_blocks, int64_t(1) << 31));
+    auto page_of = [&](unsigned pos, const uint8_t*& page_base, unsigned& offset) -> bool {
+      const unsigned at = min(pos, scored - 1);
+      const unsigned slot = at / page_size;
+      offset = at - slot * page_size;
+      const int page = __ldg(table + slot);
+      const bool live = pos < scored && unsigned(page) < blocks;
+      page_base = static_cast<const uint8_t*>(cache.base) + int64_t(live ? page : 0) * cache.block_stride_bytes;
+      return live;
+    };
+    auto piece_address = [&](const uint8_t* page_base, unsigned offset, int part) -> const uint8_t* {
+      return page_base + size_t(offset) * kIndexDim + part * 16;
+    };
+    auto scale_address = [&](const uint8_t* page_base, unsigned offset) -> const uint8_t* {
+      return page_base + int64_t(cache.page_size) * kIndexDim + offset * 4;
+    };
+    constexpr int kPieces = kChunksPerTile / kThreads;  // per thread and tile
+    uint4 staged[L::kCpAsync ? 1 : kPieces];
+    float next_scale = 0.f;
+    // cp.async: tile `tile` -> ring slot tile % kStages, one commit group per tile (empty past the chunk's
+    // tiles, so that cp_async_wait's count of pending groups is a count of tiles). A lane pair copies one
+    // position (the even lane its scale too): one table lookup per thread and tile. Registers: -> staged,
+    // by pieces as the widening reads them.
+    auto issue = [&](int tile) MLA_KV_INLINE_LAMBDA {  // tile < tiles: base < scored_end, an int
+      const unsigned base = unsigned(chunk_begin) + unsigned(tile) * kTile;
+      if constexpr (L::kCpAsync) {
+        if (tile < tiles) {
+          const int slot = tile % kStages, pos = tid / 2;
+          const uint8_t* page_base;
+          unsigned offset;
+          const bool live = page_of(base + pos, page_base, offset);
+#pragma unroll
+          for (int i = 0; i < kPieces; ++i) {
+            const int j = 2 * i + (tid & 1);
+            arch::cp_async_16(s.codes[slot] + pos * kIndexDim + ring_chunk(pos, j) * 16,
+                              piece_address(page_base, offset, j), live);
+          }
+          if ((tid & 1) == 0) cp_async_4(&s.scales[slot][pos], scale_address(page_base, offset), live);
+        }
+        arch::cp_async_commit();
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) {
+          const int c = tid + i * kThreads;
+          const uint8_t* page_base;
+          unsigned offset;
+          const bool live = page_of(base + c / 8, page_base, offset);
+          const uint4* src = reinterpret_cast<const uint4*>(piece_address(page_base, offset, c % 8));
+          staged[i] = live ? __ldg(src) : make_uint4(0, 0, 0, 0);
+        }
+        if (tid < kTile) {
+          const uint8_t* page_base;
+          unsigned offset;
+          const bool live = page_of(base + tid, page_base, offset);
+          next_scale = live ? __ldg(reinterpret_cast<const float*>(scale_address(page_base, offset))) : 0.f;
+        }
+      }
+    };
+    // The ring's first kStages tiles load while q is staged (q goes through s.keys, not the ring).
+    if constexpr (L::kCpAsync) {
+#pragma unroll
+      for (int tile = 0; tile < kStages; ++tile) issue(tile);
+    }
 
     // q rows -> fp16 at their A-operand rows, with the factor folded into the row's weight. Two threads per
     // row (64 dims each); rows past the CTA's tokens are zero with weight 0.
@@ -174,42 +272,6 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
       for (int i = 0; i < 8; ++i) weight[m][i] = s.row_weight[warp_m * L::kWarpRows + m * 16 + Mma::acc_row(lane, i)];
     }
 
-    // Tile loads: this thread's 16-byte pieces of the codes (piece c = position c / 8, dims (c % 8) * 16..) and,
-    // for threads < kTile, one position's scale.
-    const int* table = p.block_table + int64_t(b) * p.block_table_stride;
-    auto piece_address = [&](int64_t pos, int part) -> const uint8_t* {
-      if (pos >= scored_end) return nullptr;
-      const int64_t page = table[pos / cache.page_size];
-      if (page < 0 || page >= cache.num_blocks) return nullptr;  // no page: a zero key
-      const int64_t offset = pos - (pos / cache.page_size) * cache.page_size;
-      return static_cast<const uint8_t*>(cache.base) + page * cache.block_stride_bytes + offset * kIndexDim + part * 16;
-    };
-    auto scale_of = [&](int64_t pos) -> float {
-      if (pos >= scored_end) return 0.f;
-      const int64_t page = table[pos / cache.page_size];
-      if (page < 0 || page >= cache.num_blocks) return 0.f;
-      const int64_t offset = pos - (pos / cache.page_size) * cache.page_size;
-      const uint8_t* page_base = static_cast<const uint8_t*>(cache.base) + page * cache.block_stride_bytes;
-      return __ldg(reinterpret_cast<const float*>(page_base + int64_t(cache.page_size) * kIndexDim + offset * 4));
-    };
-    constexpr int kPieces = kChunksPerTile / kThreads;  // per thread and tile
-    uint4 staged[L::kCpAsync ? 1 : kPieces];
-    float next_scale = 0.f;
-    auto issue = [&](int tile) MLA_KV_INLINE_LAMBDA {
-      const int64_t base = chunk_begin + int64_t(tile) * kTile;
-#pragma unroll
-      for (int i = 0; i < kPieces; ++i) {
-        const int c = tid + i * kThreads;
-        const uint8_t* src = piece_address(base + c / 8, c % 8);
-        if constexpr (L::kCpAsync) {
-          arch::cp_async_16(s.codes[tile & 1] + (c / 8) * kCodePitch + (c % 8) * 16, src, src != nullptr);
-        } else {
-          staged[i] = src ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-        }
-      }
-      if constexpr (L::kCpAsync) arch::cp_async_commit();
-      if (tid < kTile) next_scale = scale_of(base + tid);
-    };
     // The landed tile -> fp16 keys; its scales (this thread's, `scale`) -> key_scale[tile & 1].
     auto widen = [&](int tile, float scale) MLA_KV_INLINE_LAMBDA {
 #pragma unroll
@@ -217,7 +279,8 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
         const int c = tid + i * kThreads;
         uint4 w;
         if constexpr (L::kCpAsync) {
-          w = *reinterpret_cast<const uint4*>(s.codes[tile & 1] + (c / 8) * kCodePitch + (c % 8) * 16);
+          const int pos = c / 8;
+          w = *reinterpret_cast<const uint4*>(s.codes[tile % kStages] + pos * kIndexDim + ring_chunk(pos, c % 8) * 16);
         } else {
           w = staged[i];
         }
@@ -247,23 +310,24 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const IndexScore
     };
 
     // Per tile: two barriers. A: the tile's codes have landed (and the last tile's row sums are complete);
-    // B: its fp16 keys are written. The previous tile's logits go out after A, while this
-    // one is widened; the next tile's loads start before the widening (cp.async) or after it (registers
-    // it frees).
-    issue(0);
+    // B: its fp16 keys are written. The previous tile's logits go out after A, while this one is widened.
+    // cp.async: B also proves every thread's widen done with the tile's ring slot (its codes and scales,
+    // copied to key_scale), so tile + kStages goes into the slot right after B: kStages tiles load during
+    // the mma, kStages - 1 during the widen. Registers: the next tile loads after the widen frees `staged`.
+    if constexpr (!L::kCpAsync) issue(0);
     for (int tile = 0; tile < tiles; ++tile) {
-      if constexpr (L::kCpAsync) arch::cp_async_wait<0>();
+      if constexpr (L::kCpAsync) arch::cp_async_wait<kStages - 1>();  // tile's group; the later kStages - 1 may pend
       __syncthreads();  // A
       if (tile > 0) emit(tile - 1);
-      const float scale = next_scale;
       if constexpr (L::kCpAsync) {
-        if (tile + 1 < tiles) issue(tile + 1);
-        widen(tile, scale);
+        widen(tile, tid < kTile ? s.scales[tile % kStages][tid] : 0.f);
       } else {
+        const float scale = next_scale;
         widen(tile, scale);
         if (tile + 1 < tiles) issue(tile + 1);
       }
       __syncthreads();  // B
+      if constexpr (L::kCpAsync) issue(tile + kStages);
       float acc[L::kTilesM][L::kTilesN][8] = {};
 #pragma unroll
       for (int k = 0; k < kIndexDim / kK; ++k) {

@@ -14,10 +14,10 @@ from .._checks import integer, real
 from .._compiled import _C
 from ..gpus import AttentionTiles, LimitsSpec, SmemLimits, c_limits, smem_limits as _smem_limits
 from ..layout import LATENT_DIM, BlockPointerCache, check_kv_format
-from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _check_arch, _check_attention_inputs,
-                      _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype, _packed_batch,
-                      _paged_cache, _result_tensor, _same_device, _size, _stream, _tensor, _validate_table,
-                      traceable)
+from ._common import (_DTYPES, CacheSource, _blocks_cache, _c_dtype, _c_format, _check_arch,
+                      _check_attention_inputs, _check_lens, _check_q, _check_vector_aligned, _kernel_arch, _lse_dtype,
+                      _packed_batch, _paged_cache, _result_tensor, _same_device, _size, _stream, _tensor,
+                      _validate_table, traceable)
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,17 @@ def _plan_sizes(batch, q_len, heads, total, packed, limits, tile_loads, kv_forma
     return _C.attention_plan_sizes(p, fmt, tag, _sm_count(device.index))
 
 
+def _attention_launch(params, rows: str, c_cache, kv_format, tag, device, limits: Optional[SmemLimits]):
+    """What the launch will run: the C++ dispatch room's one answer (_C.attention_launch: kernel, tiles,
+    tile loads, the splits' merge) for this launch over ``c_cache`` (a _C.PagedCache or BlockPointerCache).
+    Raises when no tile configuration of the variant fits the shared memory it may use."""
+    kind = getattr(_C.CacheRows, rows)
+    paged = c_cache if kind == _C.CacheRows.paged_table else None
+    launch = _C.attention_launch(params, kind, _c_format(kv_format, None)[0], paged, tag)
+    _check_tiles(launch.tiles, tag, device, limits)
+    return launch
+
+
 def _check_tiles(tiles, tag, device, limits: Optional[SmemLimits]) -> None:
     """Raises when no tile configuration of the variant fits the shared memory it may use."""
     if tiles.block_m:
@@ -243,11 +254,10 @@ def _plan_workspace(workspace, schedule: AttentionSchedule, device, plan_sizes, 
     return _workspace_tensor(workspace, schedule, device)
 
 
-def _launch_plan_sizes(schedule, q, *, batch, q_len, total, packed, kv_format, arch):
-    """The plan sizes a launch needs (None for a uniform schedule)."""
+def _launch_plan_sizes(schedule, q, *, batch, q_len, total, packed, kv_format, tag):
+    """The plan sizes a launch on ``tag`` (a resolved _C.Arch) needs (None for a uniform schedule)."""
     if schedule.split != "lengths":
         return None
-    tag = _kernel_arch(q.device, q.dtype, arch)
     return _plan_sizes(batch, q_len, q.shape[-2], total, packed, schedule.smem_limits, schedule.tile_loads,
                        kv_format, tag, q.device)
 
@@ -280,7 +290,7 @@ def _attention_params(q, out, lse, *, packed, batch, q_len, kv_lens, cu_q_lens, 
     return p
 
 
-def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, workspace,
+def _launch_attention(q, params, cache, source: CacheSource, block_table, tag, workspace,
                       limits: Optional[SmemLimits], schedule: AttentionSchedule, plan_sizes=None,
                       plan: Optional[AttentionPlan] = None):
     """Launches with ``workspace`` (a tensor, or None when the KV is not split): an argument here, so
@@ -290,17 +300,19 @@ def _launch_attention(q, params, cache, source: CacheSource, block_table, arch, 
     if plan_sizes is not None:
         params.plan, params.plan_sizes = workspace.data_ptr(), plan_sizes
         params.workspace = workspace.data_ptr() + schedule.plan_bytes
-    tag = _kernel_arch(q.device, q.dtype, arch)
-    _check_tiles(_C.attention_launch_tiles(params, tag), tag, q.device, limits)
+    blocks = isinstance(cache, BlockPointerCache)
+    c_cache = _blocks_cache(cache) if blocks else _paged_cache(cache, source.kv_format, source.kv_scale,
+                                                               source.block_size)
+    _attention_launch(params, "block_pointers" if blocks else "paged_table", c_cache, source.kv_format, tag,
+                      q.device, limits)
     with torch.cuda.device(q.device):
         if plan_sizes is not None and plan is None:
             _C.attention_plan(params, _stream(q.device))
-        if isinstance(cache, BlockPointerCache):
-            _C.attention_blocks(params, _blocks_cache(cache), tag, _stream(q.device))
+        if blocks:
+            _C.attention_blocks(params, c_cache, tag, _stream(q.device))
         else:
-            _C.attention_paged(params, _paged_cache(cache, source.kv_format, source.kv_scale, source.block_size),
-                               block_table.data_ptr(), block_table.stride(0), block_table.shape[1], tag,
-                               _stream(q.device))
+            _C.attention_paged(params, c_cache, block_table.data_ptr(), block_table.stride(0), block_table.shape[1],
+                               tag, _stream(q.device))
 
 
 def _reference_format(source: CacheSource) -> dict:
@@ -370,13 +382,14 @@ def decode(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], bl
               else block_table.shape[1] * source.block_size)
     if schedule is None:
         schedule = attention_schedule(batch, s_q, heads, max_kv, device=device, arch=arch, kv_format=source.kv_format)
+    tag = _kernel_arch(q.device, q.dtype, arch)
     sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=s_q, total=batch * s_q, packed=False,
-                               kv_format=source.kv_format, arch=arch)
+                               kv_format=source.kv_format, tag=tag)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=batch * s_q, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=False, batch=batch, q_len=s_q, kv_lens=seq_lens,
                                cu_q_lens=None, causal=True, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
+    _launch_attention(q, params, kv_cache, source, block_table, tag, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
 
 
@@ -488,13 +501,14 @@ def prefill(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointerCache], b
     if schedule is None:
         schedule = attention_schedule(batch, q_len, heads, max_kv, total_q_tokens=tokens, device=device, arch=arch,
                                       kv_format=source.kv_format)
+    tag = _kernel_arch(q.device, q.dtype, arch)
     sizes = _launch_plan_sizes(schedule, q, batch=batch, q_len=q_len, total=tokens, packed=True,
-                               kv_format=source.kv_format, arch=arch)
+                               kv_format=source.kv_format, tag=tag)
     ws = _workspace(workspace, schedule, device, max_kv=_schedule_cover(blocks, max_kv, validate, have, size),
                     total_tokens=tokens, heads=heads, plan_sizes=sizes, exact=plan is not None)
     params = _attention_params(q, out, lse, packed=True, batch=batch, q_len=0, kv_lens=kv_lens,
                                cu_q_lens=cu_q_lens, causal=causal, scale=softmax_scale, schedule=schedule)
-    _launch_attention(q, params, kv_cache, source, block_table, arch, ws, schedule.smem_limits, schedule, sizes, plan)
+    _launch_attention(q, params, kv_cache, source, block_table, tag, ws, schedule.smem_limits, schedule, sizes, plan)
     return out, lse
 
 
@@ -650,12 +664,14 @@ def sparse_attention(q: torch.Tensor, kv_cache: Union[torch.Tensor, BlockPointer
                                causal=False, scale=softmax_scale, schedule=schedule)
     params.workspace = 0 if ws is None else ws.data_ptr()
     tag = _kernel_arch(device, q.dtype, arch)
-    _check_tiles(_C.attention_launch_tiles(params, tag), tag, device, schedule.smem_limits)
+    c_cache = _blocks_cache(kv_cache) if blocks else _paged_cache(kv_cache, source.kv_format, source.kv_scale,
+                                                                  source.block_size)
+    _attention_launch(params, "sparse_blocks" if blocks else "sparse_slots", c_cache, source.kv_format, tag, device,
+                      schedule.smem_limits)
     with torch.cuda.device(device):
         if blocks:
-            _C.sparse_attention_blocks(params, _blocks_cache(kv_cache), indices.data_ptr(), indices.stride(0), topk,
+            _C.sparse_attention_blocks(params, c_cache, indices.data_ptr(), indices.stride(0), topk,
                                        cu_q_lens.data_ptr(), tag, _stream(device))
         else:
-            _C.sparse_attention(params, _paged_cache(kv_cache, source.kv_format, source.kv_scale, source.block_size),
-                                indices.data_ptr(), indices.stride(0), topk, tag, _stream(device))
+            _C.sparse_attention(params, c_cache, indices.data_ptr(), indices.stride(0), topk, tag, _stream(device))
     return out, lse

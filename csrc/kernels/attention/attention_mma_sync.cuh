@@ -198,11 +198,9 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
         }
     };
 
-    // Softmax ownership: consecutive lanes share a row.
-    constexpr int kRowThreads = kThreads / kBlockM;
-    constexpr int kRowCols = kBlockN / kRowThreads;
-    constexpr int kScoreVec = kRowCols < 4 ? kRowCols : 4;  // floats per shared-memory read
-    const int my_row = tid / kRowThreads, my_col0 = (tid % kRowThreads) * kRowCols;
+    // Softmax ownership: consecutive lanes share a row (common.cuh ScoreTiles).
+    using Scores = ScoreTiles<kThreads, kBlockM, kBlockN, C::kSplitK, kScorePitch, kProbPitch>;
+    const int my_row = Scores::row_of(tid), my_col0 = Scores::col0_of(tid);
     const int row_limit = kv_limit(p, w, my_row, rows_here);  // kv positions < row_limit are visible
     float row_max = -INFINITY, row_sum = 0.f;
     const float scale_log2 = p.softmax_scale * kLog2e;
@@ -245,120 +243,19 @@ __global__ void __launch_bounds__(kThreads, (Tiling<A, kConfig>::kCtasPerSm)) at
         lookup(j0 + 2 * kBlockN);
       }
 
-      {  // S = Q.K^T partial over this warp's k slice; the next step's fragments load during this
-         // step's mma (two fragment buffers, resolved at compile time by the full unroll)
-        // A one-tile warp keeps two accumulator sets (even and odd k steps): half as long chains of
-        // dependent mma. Bigger warp tiles have independent chains already.
-        constexpr int kAccSets = C::kQkTilesM * C::kQkTilesN == 1 ? 2 : 1;
-        float s_acc[kAccSets][C::kQkTilesM][C::kQkTilesN][8] = {};
-        typename Mma::FragA qa[2][C::kQkTilesM];
-        typename Mma::FragB kb[2][C::kQkTilesN];
-        const T* q_slice = q_s + st_m * kPitch + ks * kKSlice;
-        const T* k_slice = kv_tile + st_n * kPitch + ks * kKSlice;
-        auto load = [&](int buf, int k) {
-#pragma unroll
-          for (int i = 0; i < C::kQkTilesM; ++i) Mma::load_a(qa[buf][i], q_slice + 16 * i * kPitch + k, kPitch, lane);
-#pragma unroll
-          for (int j = 0; j < C::kQkTilesN; ++j) Mma::load_b_nk(kb[buf][j], k_slice + 16 * j * kPitch + k, kPitch, lane);
-        };
-        load(0, 0);
-#pragma unroll
-        for (int k = 0; k < kKSlice; k += 16) {
-          const int buf = (k / 16) & 1;
-          if (k + 16 < kKSlice) load(buf ^ 1, k + 16);
-#pragma unroll
-          for (int i = 0; i < C::kQkTilesM; ++i)
-#pragma unroll
-            for (int j = 0; j < C::kQkTilesN; ++j) Mma::mma(s_acc[buf % kAccSets][i][j], qa[buf][i], kb[buf][j]);
-        }
-        float* out_s = score_s + ks * kBlockM * kScorePitch;
-#pragma unroll
-        for (int i = 0; i < C::kQkTilesM; ++i)
-#pragma unroll
-          for (int j = 0; j < C::kQkTilesN; ++j)
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-              out_s[(st_m + 16 * i + Mma::acc_row(lane, e)) * kScorePitch + st_n + 16 * j + Mma::acc_col(lane, e)] =
-                  s_acc[0][i][j][e] + (kAccSets > 1 ? s_acc[kAccSets - 1][i][j][e] : 0.f);
-      }
+      // S = Q.K^T partial over this warp's k slice (common.cuh).
+      qk_partial_scores<Mma, C::kQkTilesM, C::kQkTilesN, kKSlice, kPitch, kScorePitch>(
+          q_s + st_m * kPitch + ks * kKSlice, kv_tile + st_n * kPitch + ks * kKSlice,
+          score_s + ks * kBlockM * kScorePitch, st_m, st_n, lane);
       __syncthreads();
 
-      bool rescale;
-      {  // online softmax of my row's columns (partials read and P written as vectors)
-        float sc[kRowCols];
-        float tile_max = -INFINITY;
-        using ScoreVec = arch::Vec<float, kScoreVec>;
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) sc[c] = 0.f;
-#pragma unroll
-        for (int part = 0; part < C::kSplitK; ++part)
-#pragma unroll
-          for (int c = 0; c < kRowCols; c += kScoreVec) {
-            const ScoreVec v =
-                *reinterpret_cast<const ScoreVec*>(score_s + (part * kBlockM + my_row) * kScorePitch + my_col0 + c);
-#pragma unroll
-            for (int e = 0; e < kScoreVec; ++e) sc[c + e] += v.v[e];
-          }
-        uint32_t valid = ~0u;  // this thread's columns, from bit my_col0 % 32 (they share a word)
-        if constexpr (kMasks)
-          valid = valid_s[(((j0 - w.kv_lo) / kBlockN) & 3) * kLookups + my_col0 / 32] >> (my_col0 % 32);
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) {
-          sc[c] = (j0 + my_col0 + c < row_limit && ((valid >> c) & 1)) ? sc[c] * scale_log2 : -INFINITY;
-          tile_max = fmaxf(tile_max, sc[c]);
-        }
-#pragma unroll
-        for (int m = kRowThreads / 2; m > 0; m >>= 1)
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
-        const float new_max = raised_max(row_max, tile_max);
-        const float alpha = rescale_factor(row_max, new_max);
-        float tile_sum = 0.f;
-        arch::Vec<T, kRowCols> pv;
-#pragma unroll
-        for (int c = 0; c < kRowCols; ++c) {
-          const float pr = new_max == -INFINITY ? 0.f : exp2f(sc[c] - new_max);
-          tile_sum += pr;
-          pv.v[c] = arch::from_float<T>(pr);
-        }
-        // P over the partials (Turing's tile, where a_row is the identity): row r's P overwrites only
-        // row r's partials, which the warp's own lanes read above; the warp barrier orders those reads
-        // before these stores.
-        if constexpr (C::kProbsInScores) __syncwarp();
-        arch::store<T, kRowCols>(prob_s + Mma::a_row(my_row) * kProbPitch + my_col0, pv);
-#pragma unroll
-        for (int m = kRowThreads / 2; m > 0; m >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
-        row_sum = row_sum * alpha + tile_sum;
-        row_max = new_max;
-        if (my_col0 == 0) alpha_s[my_row] = alpha;
-        rescale = __syncthreads_or(alpha != 1.f);
-      }
-
-      {  // O = O * alpha + P.V; each P fragment is loaded once per k step for all column tiles
-        if (rescale) {
-#pragma unroll
-          for (int mt = 0; mt < C::kTilesM; ++mt)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const float a = alpha_s[mt * 16 + Mma::acc_row(lane, i)];
-#pragma unroll
-              for (int nt = 0; nt < kTilesN; ++nt) acc[mt][nt][i] *= a;
-            }
-        }
-        const int col0 = warp * (kLatentDim / kWarps);
-#pragma unroll
-        for (int k = 0; k < kBlockN; k += 16) {
-          typename Mma::FragA pa[C::kTilesM];
-#pragma unroll
-          for (int mt = 0; mt < C::kTilesM; ++mt) Mma::load_a(pa[mt], prob_s + mt * 16 * kProbPitch + k, kProbPitch, lane);
-#pragma unroll
-          for (int nt = 0; nt < kTilesN; ++nt) {
-            typename Mma::FragB vb;
-            Mma::load_b_kn(vb, kv_tile + k * kPitch + col0 + nt * 16, kPitch, lane);
-#pragma unroll
-            for (int mt = 0; mt < C::kTilesM; ++mt) Mma::mma(acc[mt][nt], pa[mt], vb);
-          }
-        }
-      }
+      // Online softmax of my row's columns, then O = O * alpha + P.V (common.cuh).
+      uint32_t valid = ~0u;  // which of this thread's columns' rows exist, from bit my_col0 % 32 (they share a word)
+      if constexpr (kMasks)
+        valid = valid_s[(((j0 - w.kv_lo) / kBlockN) & 3) * kLookups + my_col0 / 32] >> (my_col0 % 32);
+      const bool rescale = online_softmax_tile<Scores, Mma, C::kProbsInScores>(
+          score_s, prob_s, alpha_s, my_row, my_col0, scale_log2, j0, row_limit, valid, row_max, row_sum);
+      accumulate_pv<Scores, Mma, kPitch>(acc, rescale, alpha_s, prob_s, kv_tile, warp * (kLatentDim / kWarps), lane);
       __syncthreads();  // this stage and prob_s are rewritten next
       if constexpr (kStages > 1) {  // refill the stage just consumed with the tile kStages ahead
         issue(stage);
@@ -442,8 +339,7 @@ Status launch_tiles(const AttentionParams& p, const Rows& rows, int config, int 
 
 template <class A, class T, class Rows, KvFormat kFormat>
 Status launch_attention(const AttentionParams& p, const Rows& rows, int config, int grid_x, cudaStream_t stream) {
-  const Status s = launch_tiles<A, T, Rows, kFormat>(p, rows, config, grid_x, stream);
-  return s == Status::kOk ? launch_combine<T>(p, CombineLaunch::kAfter, stream) : s;
+  return launch_tiles<A, T, Rows, kFormat>(p, rows, config, grid_x, stream);
 }
 
 }  // namespace attention_detail
