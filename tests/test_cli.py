@@ -117,6 +117,20 @@ def test_plan_gpu_preset_and_config_path(tmp_path):
     assert out["expanded"]["max_tokens"] == cache // (64 * 27 * 16 * 2 * 1_152) * 64
 
 
+def test_plan_v4_checkpoint_folder_as_the_preset(tmp_path, capsys):
+    from transformers import DeepseekV4Config
+
+    # HF's defaults are V4-Flash's sizes; the layer types are the published checkpoint's
+    DeepseekV4Config(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0]).save_pretrained(tmp_path)
+    for extra in (["--kv-format", "v4_fp8"], ["--kv-format", "all"], ["--json", "--mtp"]):
+        outputs = []
+        for model in ("deepseek-v4-flash", str(tmp_path)):
+            assert cli.main(["plan", "--model", model, "--gpu", "h200", "--weights-gb", "160", "--tp", "2", *extra]) == 0
+            outputs.append(capsys.readouterr().out.replace(str(tmp_path / "config.json"), "deepseek-v4-flash"))
+        assert outputs[0] == outputs[1]
+    assert json.loads(outputs[0])["model"]["layer_types"].count("csa") == 21
+
+
 def test_plan_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "context.png"

@@ -5,6 +5,7 @@ values, 2 bytes per fp16 value), not calls into the planner. GiB = 2**30 B, GB =
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -561,3 +562,89 @@ def test_v4_json_and_table():
     assert "sequence_bytes" not in plan(GLM, 32 * GIB, 18.4e9).to_dict()["latent"]   # others' JSON unchanged
     table = planner.format_plan(p, "h100")
     assert "2 window-only, 21 CSA" in table and "8,192 tokens" in table and "expanded" not in table
+
+
+# The fields of deepseek-ai/DeepSeek-V4-Flash-Base's config.json that the planner reads, and a few others: per-layer
+# compress_ratios (2 window-only layers, then CSA / HCA in turn, and a 0 for the MTP layer), no layer_types and no
+# compress_rates.
+V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]
+V4_FLASH_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 4096,
+    "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+    "qk_rope_head_dim": 64, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1, "compress_ratios": V4_FLASH_RATIOS,
+}
+HF_V4_LAYER_TYPES = {kind: hf for hf, kind in planner.V4_HF_LAYER_TYPES.items()}
+
+
+def _v4_plans(model):
+    """Every plan of a V4 model that the options change, as JSON with the model's name left out."""
+    plans = []
+    for kwargs in ({}, {"count_mtp_layers": True}, {"tp": 8, "cp": 2, "block_size": 16, "cache_dtype": "fp16"}):
+        for q in planner.plan_kv_formats(model, 141 * GIB, 300e9, **kwargs):
+            d = q.to_dict()
+            del d["model"]["name"]
+            plans.append(d)
+    return plans
+
+
+@pytest.mark.parametrize("preset, hf_kwargs", [
+    # HF DeepseekV4Config's defaults are V4-Flash's sizes; its default layer schedule is not (3 HCA layers first)
+    ("deepseek-v4-flash", dict(compress_ratios=V4_FLASH_RATIOS)),
+    # Pro's sizes; its layer types in the preset's order (the plan counts them only)
+    ("deepseek-v4-pro", dict(num_hidden_layers=61, num_attention_heads=128, index_topk=1024,
+                             layer_types=[HF_V4_LAYER_TYPES[t] for t in V4_PRO.layer_types])),
+])
+def test_v4_configs_written_by_transformers_plan_as_the_presets(tmp_path, preset, hf_kwargs):
+    from transformers import DeepseekV4Config
+
+    expected = planner.MODELS[preset]
+    config = DeepseekV4Config(**hf_kwargs)
+    model = planner.model_from_hf_config(config.to_dict())
+    assert dataclasses.replace(model, name=preset) == expected
+    assert _v4_plans(model) == _v4_plans(expected)
+    config.save_pretrained(tmp_path)                       # a checkpoint folder, as `mla-kv plan --model` reads it
+    assert _v4_plans(load_model(str(tmp_path))) == _v4_plans(expected)
+
+
+def test_load_v4_published_config(tmp_path):
+    model = load_model(str(_write(tmp_path, V4_FLASH_CONFIG)))
+    assert dataclasses.replace(model, name="deepseek-v4-flash") == V4_FLASH
+    assert _v4_plans(model) == _v4_plans(V4_FLASH)
+    # the layer list without the MTP layer's entry, and HF's own keys for the types and their ratios
+    short = dict(V4_FLASH_CONFIG, compress_ratios=V4_FLASH_RATIOS[:43])
+    assert load_model(str(_write(tmp_path, short))).layer_types == V4_FLASH.layer_types
+    hf_keys = {k: v for k, v in V4_FLASH_CONFIG.items() if k != "compress_ratios"}
+    hf_keys.update(layer_types=["sliding_attention"] + ["heavily_compressed_attention"] * 2, num_hidden_layers=3,
+                   compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 64})
+    model = load_model(str(_write(tmp_path, hf_keys)))
+    assert (model.layer_types, model.csa_ratio, model.hca_ratio) == (("window", "hca", "hca"), 8, 64)
+    legacy = dict(V4_FLASH_CONFIG, compress_ratios=[0, 8, 256, 0], num_hidden_layers=3, compress_rate_csa=8,
+                  compress_rate_hca=256)
+    model = load_model(str(_write(tmp_path, legacy)))
+    assert (model.layer_types, model.csa_ratio, model.hca_ratio) == (("window", "csa", "hca"), 8, 256)
+
+
+@pytest.mark.parametrize("extra, error, key", [
+    ({"compress_ratios": None}, ValueError, "'layer_types' (or 'compress_ratios')"),
+    ({"index_topk": None}, ValueError, "'index_topk'"),
+    ({"sliding_window": 128.0}, TypeError, "'sliding_window'"),
+    ({"index_n_heads": "64"}, TypeError, "'index_n_heads'"),
+    ({"compress_ratios": V4_FLASH_RATIOS[:42]}, ValueError, "'compress_ratios' must list 43 or 44 layers"),
+    ({"compress_ratios": V4_FLASH_RATIOS + [0]}, ValueError, "'compress_ratios' must list 43 or 44 layers"),
+    ({"compress_ratios": [0, 8] + V4_FLASH_RATIOS[2:]}, ValueError, "'compress_ratios'[1]: 8"),
+    ({"compress_ratios": [0.0] + V4_FLASH_RATIOS[1:]}, TypeError, "'compress_ratios'[0]"),
+    ({"layer_types": ["sliding_attention"] * 42 + ["full_attention"]}, ValueError, "'layer_types'[42]"),
+    ({"layer_types": ["sliding_attention"] * 3}, ValueError, "'layer_types' must list 43 or 44 layers"),
+    ({"compress_rates": {"compressed_sparse_attention": 4}}, ValueError,
+     "'compress_rates'['heavily_compressed_attention']"),
+    ({"compress_rates": [4, 128]}, ValueError, "'compress_rates'"),
+    ({"compress_rate_csa": 0}, ValueError, "'compress_rate_csa'"),
+    ({"compress_rate_csa": 128}, ValueError, "'compress_ratios' cannot tell"),
+    ({"compress_rate_hca": 6, "layer_types": ["sliding_attention"] * 43}, ValueError, "'compress_rate_hca'"),
+])
+def test_bad_v4_configs_name_the_file_and_the_key(tmp_path, extra, error, key):
+    path = _write(tmp_path, dict(V4_FLASH_CONFIG, **extra))
+    with pytest.raises(error) as info:
+        load_model(str(path))
+    assert str(info.value).startswith(f"{path}: ") and key in str(info.value)

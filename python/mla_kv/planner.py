@@ -165,10 +165,14 @@ class GqaModel:
 
 
 # ---- DeepSeek-V4 (Flash, Pro): a window ring plus compressed entries per layer -------------------------------
-V4_LAYER_TYPES = ("window", "csa", "hca")   # HF's sliding_attention, compressed_sparse_attention, heavily_...
+V4_LAYER_TYPES = ("window", "csa", "hca")   # HF's names: V4_HF_LAYER_TYPES
 # The cache formats of a V4 row (mla_kv.layout.V4_FORMATS); kv_format None is the row in cache_dtype.
 V4_KV_FORMATS = (None, "v4_fp8", "v4_mxfp8")
 V4_STATE_BYTES = 4                          # the compressor state is kept in float32
+V4_MODEL_TYPE = "deepseek_v4"               # its HF config.json model_type
+# The names of V4_LAYER_TYPES in the layer_types of HF's DeepseekV4Config.
+V4_HF_LAYER_TYPES = {"sliding_attention": "window", "compressed_sparse_attention": "csa",
+                     "heavily_compressed_attention": "hca"}
 
 
 @dataclass(frozen=True)
@@ -308,13 +312,66 @@ def _indexed_layers(cfg: dict, num_layers: int, name: str) -> Tuple[int, ...]:
     return tuple(i for i, kind in enumerate(kinds) if kind == "full")
 
 
+def _v4_compress_rate(cfg: dict, layer_type: str, legacy_key: str, default: int, name: str) -> int:
+    """A DeepSeek-V4 layer type's tokens per compressed entry, read as HF's DeepseekV4Config reads it: the
+    top-level ``legacy_key`` (compress_rate_csa / _hca), else ``compress_rates[layer_type]``, else ``default``
+    when the config has no compress_rates (the published checkpoints' config.json has none)."""
+    if cfg.get(legacy_key) is not None:
+        return integer(f"{name}: {legacy_key!r}", cfg[legacy_key], 1)
+    rates = cfg.get("compress_rates")
+    if rates is None:
+        return default
+    if not isinstance(rates, dict):
+        raise ValueError(f"{name}: 'compress_rates' must be a JSON object, got {type(rates).__name__}")
+    if rates.get(layer_type) is None:
+        raise ValueError(f"{name}: missing 'compress_rates'[{layer_type!r}] (model_type {V4_MODEL_TYPE!r})")
+    return integer(f"{name}: 'compress_rates'[{layer_type!r}]", rates[layer_type], 1)
+
+
+def _v4_layer_types(cfg: dict, num_layers: int, mtp_layers: int, csa_ratio: int, hca_ratio: int,
+                    name: str) -> Tuple[str, ...]:
+    """The layer types of a DeepSeek-V4 config: ``layer_types`` (HF's names, V4_HF_LAYER_TYPES), else the
+    published checkpoints' ``compress_ratios`` (per layer 0: window-only, csa_ratio: CSA, hca_ratio: HCA). Either
+    lists num_hidden_layers entries, or num_nextn_predict_layers more (the published Flash config.json ends with
+    its MTP layer's 0): those are left out, as HF leaves them out, and MTP layers are planned as window-only."""
+    key = "layer_types" if cfg.get("layer_types") is not None else "compress_ratios"
+    kinds = cfg.get(key)
+    if kinds is None:
+        # HF's fallback schedule (3 HCA layers, then CSA / HCA in turn) is neither released model's.
+        raise ValueError(f"{name}: missing 'layer_types' (or 'compress_ratios') (model_type {V4_MODEL_TYPE!r})")
+    lengths = sorted({num_layers, num_layers + mtp_layers})
+    if not isinstance(kinds, list) or len(kinds) not in lengths:
+        got = f"{len(kinds)} entries" if isinstance(kinds, list) else f"a {type(kinds).__name__}"
+        raise ValueError(f"{name}: {key!r} must list {' or '.join(map(str, lengths))} layers (num_hidden_layers "
+                         f"{num_layers}, num_nextn_predict_layers {mtp_layers}), got {got}")
+    if key == "layer_types":
+        known, allowed = V4_HF_LAYER_TYPES, ", ".join(V4_HF_LAYER_TYPES)
+    else:
+        if csa_ratio == hca_ratio:
+            raise ValueError(f"{name}: 'compress_ratios' cannot tell CSA from HCA layers: both compress "
+                             f"{csa_ratio} tokens an entry")
+        known = {0: "window", csa_ratio: "csa", hca_ratio: "hca"}
+        allowed = f"0 (window-only), {csa_ratio} (CSA), {hca_ratio} (HCA)"
+    types = []
+    for layer, kind in enumerate(kinds[:num_layers]):
+        if key == "compress_ratios":
+            integer(f"{name}: 'compress_ratios'[{layer}]", kind, 0)
+        if not isinstance(kind, (str, int)) or kind not in known:
+            raise ValueError(f"{name}: {key!r}[{layer}]: {kind!r} is not one of {allowed}")
+        types.append(known[kind])
+    return tuple(types)
+
+
 def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
-    """A model from an HF config dict: MLA by model_type, else GQA when it has num_key_value_heads.
+    """A model from an HF config dict: MLA or DeepSeek-V4 by model_type, else GQA when it has
+    num_key_value_heads.
 
     Multimodal configs are read through their ``text_config``. Every size read must be an integer
     (layer and head counts >= 1), else a ValueError/TypeError names ``name`` and the key. A DSA model
     (model_type deepseek_v32, glm_moe_dsa) also needs index_n_heads, index_head_dim and index_topk; its
-    indexed layers are all of them unless the config lists them (see _indexed_layers).
+    indexed layers are all of them unless the config lists them (see _indexed_layers). A DeepSeek-V4 model
+    (deepseek_v4) needs those, sliding_window, head_dim and its layer types (see _v4_layer_types); its
+    compression ratios default to HF's (see _v4_compress_rate).
     """
     if not isinstance(config, dict):
         raise TypeError(f"{name}: expected a dict (a JSON object), got {type(config).__name__}")
@@ -345,12 +402,24 @@ def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
             return MlaModel(name, **sizes)
         except ValueError as e:  # indexed layers that do not start at layer 0
             raise ValueError(f"{name}: {e}") from None
+    if model_type == V4_MODEL_TYPE:  # before GQA: its config has num_key_value_heads (1, the K = V head)
+        csa = _v4_compress_rate(cfg, "compressed_sparse_attention", "compress_rate_csa", V4Model.csa_ratio, name)
+        hca = _v4_compress_rate(cfg, "heavily_compressed_attention", "compress_rate_hca", V4Model.hca_ratio, name)
+        sizes = dict(num_heads=need("num_attention_heads"), max_context=need("max_position_embeddings"),
+                     layer_types=_v4_layer_types(cfg, need("num_hidden_layers"), mtp_layers, csa, hca, name),
+                     window=need("sliding_window"), csa_ratio=csa, hca_ratio=hca, head_dim=need("head_dim"),
+                     index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"),
+                     index_topk=need("index_topk"), num_mtp_layers=mtp_layers)
+        try:
+            return V4Model(name, **sizes)
+        except ValueError as e:  # an HCA ratio that is not a multiple of the CSA one
+            raise ValueError(f"{name}: 'compress_rates' (or 'compress_rate_csa' / 'compress_rate_hca'): {e}") from None
     if cfg.get("num_key_value_heads") is not None:
         head_dim = optional("head_dim", 0) or need("hidden_size") // need("num_attention_heads")
         return GqaModel(name, num_layers=need("num_hidden_layers"), num_kv_heads=need("num_key_value_heads"),
                         head_dim=head_dim, max_context=need("max_position_embeddings"), num_mtp_layers=mtp_layers)
     raise ValueError(f"{name}: model_type {model_type!r} is not MLA ({', '.join(MLA_MODEL_TYPES)}) "
-                     "and has no num_key_value_heads")
+                     f"or DeepSeek-V4 ({V4_MODEL_TYPE}) and has no num_key_value_heads")
 
 
 def load_model(name_or_path: str) -> Model:
